@@ -1,0 +1,142 @@
+"""The data model every stage shares: a joint forward+backward graph for rematerialization.
+
+A `RematGraph` has compute nodes (one or more ATen ops, forward or backward) and data nodes
+(one tensor storage each). Compute nodes are listed in a valid topological order: the order
+PyTorch's own autograd would run them, which is the store-everything schedule.
+
+Memory semantics, shared by the simulator and every solver:
+- Data with no producer (`DataNode.kind` in SOURCE_KINDS: parameters, buffers, inputs) is
+  alive before the step and never counted.
+- Tangents (gradients of the forward outputs, handed in by the loss) appear at the start of
+  the backward phase and are counted from then on.
+- Computing a node allocates all its outputs plus `workspace` bytes for the duration of the op.
+- `forward_outputs` must be alive at the end of the forward phase (they are returned to the
+  user); `backward_outputs` (gradients) must be alive at the end of the backward phase.
+- A node flagged `random` may be computed once only (recomputing it would draw a new mask).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+SOURCE_KINDS = frozenset({"param", "buffer", "input"})
+DATA_KINDS = SOURCE_KINDS | {"activation", "tangent"}
+
+
+@dataclass
+class DataNode:
+    """One storage. Views share their base's DataNode, so memory is counted once."""
+
+    name: str
+    size: int  # bytes of the storage
+    kind: str = "activation"  # one of DATA_KINDS
+    producer: str | None = None  # compute node name; None for sources and tangents
+
+
+@dataclass
+class ComputeNode:
+    """One schedulable step: an ATen op, possibly grouped with its views and cheap successors."""
+
+    name: str
+    inputs: tuple[str, ...]  # data node names read
+    outputs: tuple[str, ...]  # data node names produced
+    backward: bool = False
+    time: float = 0.0  # seconds (or arbitrary cost units for imported graphs)
+    workspace: int = 0  # temporary bytes during the op (grouped intermediates, kernel scratch)
+    random: bool = False  # draws random numbers: compute at most once
+    module: str = ""  # module path in the user's model, "" when unknown
+    op: str = ""  # main ATen op, e.g. "aten.mm.default"
+    fx_nodes: tuple[str, ...] = ()  # names of the fx nodes of the joint graph in this group
+
+
+@dataclass
+class RematGraph:
+    nodes: list[ComputeNode]
+    data: dict[str, DataNode]
+    forward_outputs: tuple[str, ...]
+    backward_outputs: tuple[str, ...]
+    name: str = ""
+    # Partition of the forward nodes into a chain of blocks (lists of forward node names)
+    # and a class id per block: blocks with the same class are structurally identical.
+    blocks: list[list[str]] = field(default_factory=list)
+    block_classes: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.index = {n.name: i for i, n in enumerate(self.nodes)}
+        self.users: dict[str, list[str]] = {d: [] for d in self.data}
+        for n in self.nodes:
+            for d in n.inputs:
+                self.users[d].append(n.name)
+
+    def node(self, name: str) -> ComputeNode:
+        return self.nodes[self.index[name]]
+
+    @property
+    def forward_nodes(self) -> list[ComputeNode]:
+        return [n for n in self.nodes if not n.backward]
+
+    @property
+    def backward_nodes(self) -> list[ComputeNode]:
+        return [n for n in self.nodes if n.backward]
+
+    def is_source(self, data: str) -> bool:
+        return self.data[data].kind in SOURCE_KINDS
+
+    def validate(self) -> None:
+        """Check internal consistency; raise ValueError naming the first problem."""
+        seen: set[str] = {d for d, dn in self.data.items() if dn.producer is None}
+        in_backward = False
+        for n in self.nodes:
+            if n.backward:
+                in_backward = True
+            elif in_backward:
+                raise ValueError(f"forward node {n.name} after a backward node")
+            for d in n.inputs:
+                if d not in self.data:
+                    raise ValueError(f"node {n.name} reads unknown data {d}")
+                if d not in seen:
+                    raise ValueError(f"node {n.name} reads {d} before it is produced")
+            for d in n.outputs:
+                if self.data[d].producer != n.name:
+                    raise ValueError(f"data {d} claims producer {self.data[d].producer}, not {n.name}")
+                seen.add(d)
+        for d in (*self.forward_outputs, *self.backward_outputs):
+            if d not in self.data:
+                raise ValueError(f"required output {d} is not a data node")
+        for d, dn in self.data.items():
+            if dn.kind not in DATA_KINDS:
+                raise ValueError(f"data {d} has unknown kind {dn.kind}")
+            if dn.producer is None and dn.kind == "activation":
+                raise ValueError(f"activation {d} has no producer")
+
+    # JSON round trip, so graphs can be saved, diffed and loaded by tests and tools.
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "nodes": [asdict(n) for n in self.nodes],
+            "data": [asdict(d) for d in self.data.values()],
+            "forward_outputs": list(self.forward_outputs),
+            "backward_outputs": list(self.backward_outputs),
+            "blocks": self.blocks,
+            "block_classes": self.block_classes,
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict) -> RematGraph:
+        nodes = [
+            ComputeNode(**{**n, "inputs": tuple(n["inputs"]), "outputs": tuple(n["outputs"]),
+                           "fx_nodes": tuple(n["fx_nodes"])})
+            for n in obj["nodes"]
+        ]
+        data = {d["name"]: DataNode(**d) for d in obj["data"]}
+        return cls(nodes, data, tuple(obj["forward_outputs"]), tuple(obj["backward_outputs"]),
+                   obj.get("name", ""), obj.get("blocks", []), obj.get("block_classes", []))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> RematGraph:
+        return cls.from_json(json.loads(Path(path).read_text()))
