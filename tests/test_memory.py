@@ -1,0 +1,222 @@
+"""The memory tracker against byte counts computed by hand (float32: 4 bytes per element)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from rockplan.memory import MemoryTracker, measure_step
+
+F32 = 4
+
+
+@pytest.fixture
+def linear() -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(64, 32)
+
+
+def test_linear_forward_backward_peak_is_the_sum_of_named_tensors(linear: nn.Linear) -> None:
+    x = torch.randn(16, 64, requires_grad=True)
+
+    def step() -> torch.Tensor:
+        y = linear(x)
+        loss = y.sum()
+        loss.backward()
+        return loss
+
+    memory = measure_step(step)
+    y = 16 * 32 * F32  # addmm output, alive until step returns
+    loss = seed = F32  # the scalar loss and the ones_like gradient seed of backward
+    grad_x, grad_w, grad_b = 16 * 64 * F32, 32 * 64 * F32, 32 * F32
+    # AddmmBackward holds every gradient it produces until it returns: everything is live at once.
+    assert memory.peak == y + loss + seed + grad_x + grad_w + grad_b == 14472
+    # y and the seed die; the loss (returned) and the three .grad tensors remain.
+    assert memory.end == loss + grad_x + grad_w + grad_b
+    assert memory.result is not None and memory.result.shape == ()
+
+
+def test_gradient_accumulation_is_seen(linear: nn.Linear) -> None:
+    x = torch.randn(16, 64)
+
+    def step() -> None:
+        linear(x).sum().backward()
+
+    first = measure_step(step)
+    grads = 32 * 64 * F32 + 32 * F32
+    assert first.end == grads  # the .grad tensors were created by the step
+    # The linear's output is saved by neither addmm nor sum, so it dies before backward: the
+    # peak is the loss, the ones_like seed and the gradients.
+    assert first.peak == F32 + F32 + grads
+    second = measure_step(step)
+    # The new gradients are allocated, then added in place into the existing .grad (aten.add_)
+    # and freed: they count in the peak but nothing new survives the step.
+    assert second.peak == first.peak
+    assert second.end == 0
+
+
+def test_views_do_not_double_count() -> None:
+    with MemoryTracker() as tracker:
+        base = torch.empty(1000)
+        views = [base[::2], base.view(10, 100), base.view(10, 100).t(), base.unsqueeze(0), base.detach()]
+        assert tracker.current == 1000 * F32
+        del base, views
+        assert tracker.current == 0
+    assert tracker.peak == 1000 * F32
+
+
+def test_storages_alive_before_the_step_are_not_counted(linear: nn.Linear) -> None:
+    x = torch.randn(16, 64)
+    with MemoryTracker() as tracker:
+        x.mul_(2)
+        x[1:].add_(1)
+        linear.weight.data.t()
+        x.view(-1).detach()
+    assert tracker.peak == 0
+
+
+def test_freed_tensors_decrease_current() -> None:
+    x = torch.randn(256, requires_grad=True)
+    with MemoryTracker() as tracker:
+        a = torch.empty(512)
+        b = torch.empty(128)
+        assert tracker.current == (512 + 128) * F32
+        del a
+        assert tracker.current == 128 * F32
+        h = x.exp()  # exp saves its result for backward
+        loss = h.sum()
+        del h  # only autograd's saved tensors hold it now
+        assert tracker.current == 128 * F32 + 256 * F32 + F32
+        loss.backward()  # frees the graph and its saved result
+        assert tracker.current == 128 * F32 + F32 + 256 * F32  # b, loss, x.grad
+        del b
+    # The peak is during backward: b, h, loss, seed and the gradient of x.
+    assert tracker.peak == (128 + 256 + 1 + 1 + 256) * F32
+    assert tracker.current == F32 + 256 * F32
+
+
+def test_backward_allocations_are_seen() -> None:
+    x = torch.randn(256, requires_grad=True)
+    y = (x * 3).sum()  # built outside: only backward runs inside the tracker
+    with MemoryTracker() as tracker:
+        y.backward()
+    # Backward allocates the ones_like seed, then MulBackward's grad (the seed expanded, times 3)
+    # which becomes x.grad; the seed dies when backward returns.
+    assert tracker.peak == F32 + 256 * F32
+    assert tracker.current == 256 * F32
+
+
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        return 2 * x * grad
+
+
+def test_autograd_function_forward_and_backward_are_seen() -> None:
+    x = torch.randn(256, requires_grad=True)
+    with MemoryTracker() as forward_only:
+        square = _Square.apply(x)
+    assert forward_only.current == 256 * F32
+    del square
+
+    def step() -> torch.Tensor:
+        loss = _Square.apply(x).sum()
+        loss.backward()
+        return loss
+
+    memory = measure_step(step)
+    n = 256 * F32
+    # The square dies once summed (sum saves nothing); backward then holds the loss, the seed,
+    # `2 * x` and `(2 * x) * grad`, which becomes x.grad.
+    assert memory.peak == F32 + F32 + n + n
+    assert memory.end == F32 + n
+
+
+def test_fx_graph_module_is_seen_and_frees_intermediates() -> None:
+    graph_module = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8)))
+    x = torch.randn(16, 64)
+    with torch.no_grad():
+        memory = measure_step(graph_module, x)
+    # fx's generated code drops each value after its last use: at most two activations coexist.
+    assert memory.peak == 2 * 16 * 32 * F32
+    assert memory.end == 16 * 8 * F32
+
+
+def test_tensor_literal_created_inside_is_counted() -> None:
+    with MemoryTracker() as tracker:
+        literal = torch.tensor([1.0, 2.0, 3.0])  # reaches dispatch as lift_fresh of its argument
+    assert tracker.current == 3 * F32
+    del literal
+
+
+def test_out_variants_and_resizes_count_the_new_bytes() -> None:
+    a = torch.randn(100)
+    preexisting_out = torch.empty(0)
+    preexisting_small = torch.empty(10)
+    with MemoryTracker() as tracker:
+        new_out = torch.empty(0)
+        torch.add(a, a, out=new_out)  # the kernel resizes its out tensor below the dispatcher
+        assert tracker.current == 100 * F32
+        torch.mul(a, 2, out=preexisting_out)  # a storage from before the step grows inside it
+        assert tracker.current == 200 * F32
+        preexisting_small.resize_(50)  # grows from 10 to 50 elements: 40 new
+        assert tracker.current == 240 * F32
+        del new_out, preexisting_out
+        assert tracker.current == 40 * F32
+    assert tracker.peak == 240 * F32
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    sizes=st.lists(st.integers(min_value=0, max_value=4096), min_size=1, max_size=12),
+    data=st.data(),
+)
+def test_current_is_the_sum_of_live_tensors(sizes: list[int], data: st.DataObject) -> None:
+    with MemoryTracker() as tracker:
+        tensors = {i: torch.empty(size) for i, size in enumerate(sizes)}
+        freed = data.draw(st.sets(st.sampled_from(sorted(tensors))))
+        for i in freed:
+            del tensors[i]
+        assert tracker.current == sum(t.nbytes for t in tensors.values())
+    assert tracker.peak == sum(sizes) * F32
+
+
+def test_tracker_is_not_readable_before_entry_and_allocator_needs_cuda() -> None:
+    with pytest.raises(RuntimeError):
+        _ = MemoryTracker().peak
+    with pytest.raises(ValueError):
+        MemoryTracker("cpu", method="allocator")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_storage_count_matches_the_cuda_allocator() -> None:
+    torch.manual_seed(0)
+    # Every dimension a multiple of 128 floats, so only the scalars (loss, seed) are rounded up
+    # to the allocator's 512-byte blocks.
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 128)).cuda()
+    x = torch.randn(64, 256, device="cuda")
+
+    def step() -> None:
+        model(x).square().mean().backward()
+
+    step()  # warm up: cuBLAS workspaces and .grad tensors exist before the measured step
+    torch.cuda.synchronize()
+    with MemoryTracker("cuda", method="allocator") as allocator:
+        with MemoryTracker("cuda", method="storages") as storages:
+            step()
+        torch.cuda.synchronize()
+    assert storages.peak > 0
+    # The allocator sees every counted storage, rounded up to 512 bytes, plus scratch buffers
+    # that kernels allocate internally; allow a few blocks of difference.
+    assert 0 <= allocator.peak - storages.peak <= 8 * 512
+    assert allocator.current == storages.current == 0
