@@ -1,0 +1,215 @@
+"""Turn AOTAutograd's joint fx graph into a RematGraph.
+
+Memory is counted per storage: a view op allocates nothing and reads its base's storage, so
+views are not scheduled at all; code generation re-derives them from their base wherever
+they are needed. Every op that allocates heads a group; getitems of a multi-output op and
+chains of cheap pointwise ops that read only that group (and sources) join it, so a
+transformer block is a few dozen schedulable nodes rather than hundreds.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from rkgraph.capture import JointGraph
+from rkgraph.graph import ComputeNode, DataNode, RematGraph
+
+# Ops whose output shares its input's storage although their schema does not say so.
+_ALIASING_OPS = {torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default}
+
+
+def is_view(node: fx.Node) -> bool:
+    target = node.target
+    return node.op == "call_function" and (
+        target in _ALIASING_OPS or (isinstance(target, torch._ops.OpOverload) and target.is_view)
+    )
+
+
+def _is_pointwise(node: fx.Node) -> bool:
+    t = node.target
+    return isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags
+
+
+def _is_random(node: fx.Node) -> bool:
+    t = node.target
+    return isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
+
+
+def is_backward(node: fx.Node) -> bool:
+    return node.meta.get("partitioner_tag") == "is_backward"
+
+
+def _tensor_bytes(val: object) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.untyped_storage().nbytes()
+    return 0
+
+
+@dataclass(eq=False)
+class _Group:
+    head: fx.Node
+    ops: list[fx.Node] = field(default_factory=list)  # allocating ops and their getitems
+    storages: list[str] = field(default_factory=list)  # storages it allocates, in order
+
+
+@dataclass
+class StorageMap:
+    """Which storage (data node name) each tensor-valued fx node lives in."""
+
+    storage_of: dict[str, str]  # fx node name -> data node name
+    root_of: dict[str, fx.Node]  # data node name -> fx node holding the whole storage
+
+
+def storage_map(gm: fx.GraphModule) -> StorageMap:
+    storage_of: dict[str, str] = {}
+    roots: dict[str, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            storage_of[node.name] = node.name
+            roots[node.name] = node
+        elif node.op != "call_function":
+            continue
+        elif is_view(node):
+            base = node.args[0]
+            storage_of[node.name] = storage_of[base.name]
+        elif node.target is operator.getitem or isinstance(node.meta.get("val"), torch.Tensor):
+            storage_of[node.name] = node.name
+            roots[node.name] = node
+    return StorageMap(storage_of, roots)
+
+
+def _tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    # A getitem reads an element of its op's result tuple, which is no storage of its own.
+    return [] if node.target is operator.getitem else node.all_input_nodes
+
+
+def build_graph(joint: JointGraph, name: str = "") -> RematGraph:
+    gm = joint.module
+    storages = storage_map(gm)
+    storage_of = storages.storage_of
+
+    data: dict[str, DataNode] = {}
+    primal_index = 0
+    for node in gm.graph.find_nodes(op="placeholder"):
+        size = _tensor_bytes(node.meta.get("val"))
+        if node.name.startswith("tangents"):
+            data[node.name] = DataNode(node.name, size, "tangent")
+        else:
+            data[node.name] = DataNode(node.name, size, joint.input_kinds[primal_index])
+            primal_index += 1
+
+    # 1. Groups: one per allocating op; getitems join their op's group.
+    group_of: dict[str, _Group] = {}
+    groups: list[_Group] = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or is_view(node):
+            continue
+        if node.target is operator.getitem:
+            group = group_of[node.args[0].name]
+            group.ops.append(node)
+            group_of[node.name] = group
+            continue
+        producers = {group_of[storage_of_input(storages, a)] for a in _tensor_inputs(node)
+                     if storage_of_input(storages, a) in group_of}
+        if (_is_pointwise(node) and not _is_random(node) and len(producers) == 1):
+            (group,) = producers
+            if is_backward(group.head) == is_backward(node):
+                group.ops.append(node)
+                group_of[node.name] = group
+                continue
+        group = _Group(node, [node])
+        groups.append(group)
+        group_of[node.name] = group
+
+    # 2. Which storages are used outside their group (those become data nodes).
+    output_node = gm.graph.find_nodes(op="output")[0]
+    outputs = list(output_node.args[0])
+    escaping: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or is_view(node):
+            continue
+        for a in _tensor_inputs(node):
+            s = storage_of_input(storages, a)
+            if s in group_of and group_of[s] is not group_of[node.name]:
+                escaping.add(s)
+    required = [storage_of_input(storages, o) for o in outputs if isinstance(o, fx.Node)]
+    escaping.update(s for s in required if s in group_of)
+
+    # 3. Compute nodes with exact output sizes and the workspace of their internal temporaries.
+    nodes: list[ComputeNode] = []
+    for group in groups:
+        outs, inputs, workspace = _group_dataflow(group, storages, group_of, escaping)
+        head = group.head
+        for s in outs:
+            data[s] = DataNode(s, _tensor_bytes(storages.root_of[s].meta.get("val")), "activation", head.name)
+        nodes.append(ComputeNode(
+            name=head.name,
+            inputs=tuple(inputs),
+            outputs=tuple(outs),
+            backward=is_backward(head),
+            workspace=workspace,
+            random=any(_is_random(n) for n in group.ops),
+            module=head.meta.get("custom", {}).get("module", ""),
+            op=str(head.target),
+            fx_nodes=tuple(n.name for n in group.ops),
+        ))
+
+    fwd = [storage_of_input(storages, o) for o in outputs[: joint.num_fwd_outputs] if isinstance(o, fx.Node)]
+    bwd = [storage_of_input(storages, o) for o in outputs[joint.num_fwd_outputs:] if isinstance(o, fx.Node)]
+    graph = RematGraph(nodes, data, tuple(dict.fromkeys(fwd)), tuple(dict.fromkeys(bwd)), name=name)
+    graph.validate()
+    return graph
+
+
+def storage_of_input(storages: StorageMap, node: fx.Node) -> str:
+    return storages.storage_of[node.name]
+
+
+def _group_dataflow(group: _Group, storages: StorageMap, group_of: dict, escaping: set[str]):
+    """Outputs, inputs and workspace of a group, by replaying its ops with frees at last use."""
+    members = {n.name for n in group.ops}
+    allocated: list[str] = []
+    inputs: list[str] = []
+    for n in group.ops:
+        for a in _tensor_inputs(n):
+            s = storage_of_input(storages, a)
+            if s not in members and s not in inputs and not (a.name in members):
+                inputs.append(s)
+        if n.target is not operator.getitem and isinstance(n.meta.get("val"), torch.Tensor):
+            allocated.append(n.name)
+        elif n.target is operator.getitem:
+            allocated.append(n.name)
+    outs = [s for s in allocated if s in escaping]
+
+    # Temporaries: multi-output ops allocate every element at once, used or not.
+    last_use: dict[str, int] = {}
+    for i, n in enumerate(group.ops):
+        for a in _tensor_inputs(n):
+            last_use[storage_of_input(storages, a)] = i
+    live, peak = 0, 0
+    alive: dict[str, int] = {}
+    for i, n in enumerate(group.ops):
+        if n.target is operator.getitem:
+            continue
+        val = n.meta.get("val")
+        new = [_tensor_bytes(v) for v in val] if isinstance(val, (tuple, list)) else [_tensor_bytes(val)]
+        live += sum(new)
+        peak = max(peak, live)
+        if isinstance(val, (tuple, list)):
+            kept = {u.args[1]: u.name for u in n.users if u.target is operator.getitem}
+            for idx, size in enumerate(new):
+                if idx in kept:
+                    alive[kept[idx]] = size
+                else:
+                    live -= size  # an element nobody reads dies at once
+        else:
+            alive[n.name] = new[0]
+        for s in list(alive):
+            if s not in escaping and last_use.get(s, -1) <= i:
+                live -= alive.pop(s)
+    out_bytes = sum(alive.get(s, 0) for s in outs)
+    return outs, inputs, max(0, peak - out_bytes)

@@ -1,0 +1,257 @@
+"""Capture one training step of an nn.Module as a joint forward+backward fx graph.
+
+We use AOTAutograd itself (the machinery under torch.compile): it traces with fake tensors,
+functionalizes in-place ops and buffer mutations, and hands the joint graph to a partition
+function. `training_function` builds the AOTAutograd callable with a caller-supplied
+partition function (rockplan's planner plugs in there); `capture` only records the graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx.traceback as fx_traceback
+import torch.utils._pytree as pytree
+from torch import fx
+from torch._functorch.aot_autograd import aot_function, make_boxed_compiler
+from torch._functorch.partitioners import default_partition
+from torch._subclasses import FakeTensorMode
+from torch.func import functional_call
+
+log = logging.getLogger(__name__)
+
+PartitionFn = Callable[..., tuple[fx.GraphModule, fx.GraphModule]]
+
+
+class CaptureError(RuntimeError):
+    """The model cannot be captured as one graph; the message says where and what to do."""
+
+
+class _PartitionFailed(Exception):
+    """Carries an error of the partition function through AOTAutograd, told apart from tracing errors."""
+
+
+@dataclass
+class JointGraph:
+    """The joint graph as AOTAutograd hands it to a partitioner, plus what its inputs are."""
+
+    module: fx.GraphModule
+    num_fwd_outputs: int
+    input_kinds: list[str]  # per primal placeholder: "param", "buffer" or "input"
+    input_names: list[str]  # qualified parameter/buffer name, or the argument path of an input
+    mutated: frozenset[str] = frozenset()  # primal placeholders the step mutates (BatchNorm stats)
+
+
+@dataclass
+class FlatCall:
+    """How a model call is flattened into the positional tensors AOTAutograd sees."""
+
+    param_names: list[str]
+    buffer_names: list[str]
+    input_names: list[str]
+    spec: pytree.TreeSpec
+    leaves: list[Any]  # non-tensor leaves as given; tensor positions hold None
+    tensor_positions: list[int] = field(default_factory=list)
+    mutated: set[int] = field(default_factory=set)  # flat indices mutated by the step, seen in tracing
+
+    def tensors(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        leaves, _ = pytree.tree_flatten((args, kwargs))
+        return [leaves[i] for i in self.tensor_positions]
+
+    def unflatten(self, tensors: tuple[torch.Tensor, ...]) -> tuple[tuple, dict]:
+        leaves = list(self.leaves)
+        for pos, t in zip(self.tensor_positions, tensors):
+            leaves[pos] = t
+        return pytree.tree_unflatten(leaves, self.spec)
+
+
+def flatten_call(model: torch.nn.Module, args: tuple, kwargs: dict) -> FlatCall:
+    _check_signature(model, args, kwargs)
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path((args, kwargs))[0]]
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    return FlatCall(
+        param_names=[n for n, _ in model.named_parameters()],
+        buffer_names=[n for n, _ in model.named_buffers()],
+        input_names=[_argument_label(paths[i]) for i in positions],
+        spec=spec,
+        leaves=[None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves],
+        tensor_positions=positions,
+    )
+
+
+def _argument_label(path: str) -> str:
+    # pytree paths of (args, kwargs) look like "[0][1]" or "[1]['mask']"
+    if path.startswith("[0]"):
+        return "args" + path[3:]
+    return "kwargs" + path[3:]
+
+
+def _check_signature(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    try:
+        inspect.signature(model.forward).bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"the sample does not match {type(model).__name__}.forward: {e}") from None
+
+
+def training_function(
+    model: torch.nn.Module,
+    flat: FlatCall,
+    partition_fn: PartitionFn,
+    fw_compiler: Callable | None = None,
+    bw_compiler: Callable | None = None,
+) -> Callable[..., Any]:
+    """An AOTAutograd callable over (params, buffers, input tensors) running `model`.
+
+    Traced on its first call; `partition_fn(joint_module, joint_inputs, num_fwd_outputs=...)`
+    decides what the forward keeps and what the backward recomputes.
+    """
+    n_params, n_buffers = len(flat.param_names), len(flat.buffer_names)
+    names = flat.param_names + flat.buffer_names
+
+    def flat_fn(*tensors: torch.Tensor) -> Any:
+        args, kwargs = flat.unflatten(tensors[n_params + n_buffers:])
+        out = functional_call(model, dict(zip(names, tensors[: n_params + n_buffers])), args, kwargs)
+        # AOTAutograd functionalizes the call: a mutated input shows as a pending data mutation.
+        flat.mutated.update(i for i, t in enumerate(tensors) if _has_data_mutation(t))
+        return out
+
+    def partition(*a: Any, **kw: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+        try:
+            return partition_fn(*a, **kw)
+        except Exception as e:
+            raise _PartitionFailed() from e
+
+    identity = make_boxed_compiler(lambda gm, _inputs: gm)
+    return aot_function(
+        flat_fn,
+        fw_compiler=fw_compiler or identity,
+        bw_compiler=bw_compiler or fw_compiler or identity,
+        partition_fn=partition,
+        num_params_buffers=n_params + n_buffers,
+    )
+
+
+def _has_data_mutation(t: torch.Tensor) -> bool:
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return isinstance(t, FunctionalTensor) and torch._functionalize_has_data_mutation(t.elem)
+
+
+def flat_tensors(model: torch.nn.Module, flat: FlatCall, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    return [*model.parameters(), *model.buffers(), *flat.tensors(args, kwargs)]
+
+
+def trace(
+    model: torch.nn.Module,
+    flat: FlatCall,
+    compiled: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+) -> None:
+    """Trigger tracing (and the partition function) on fake copies of the real tensors.
+
+    Nothing real is computed and nothing in the model changes: the fake forward mutates fake
+    buffers, and fake random ops draw no real random numbers.
+    """
+    tensors = flat_tensors(model, flat, args, kwargs)
+    if not any(t.requires_grad for t in tensors):
+        raise ValueError(
+            f"nothing in {type(model).__name__} or its inputs requires grad: there is no backward "
+            "to plan. Check that parameters are not all frozen (requires_grad=False)."
+        )
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    fakes = [mode.from_tensor(t) for t in tensors]
+    with _module_path_annotations(model), fx_traceback.preserve_node_meta(), torch.enable_grad():
+        try:
+            compiled(*fakes)
+        except _PartitionFailed as e:
+            raise e.__cause__ from None
+        except (CaptureError, ValueError, TypeError):
+            raise
+        except Exception as e:  # tracing failures: name the op and the user's line
+            raise CaptureError(_explain_trace_failure(model, e)) from e
+
+
+def capture_joint(model: torch.nn.Module, args: Any, kwargs: dict | None = None) -> JointGraph:
+    """Trace one training step of `model` on `args`/`kwargs` and return the joint graph."""
+    args = args if isinstance(args, tuple) else (args,)
+    kwargs = kwargs or {}
+    flat = flatten_call(model, args, kwargs)
+    recorded: list[JointGraph] = []
+
+    def record(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kw: Any):
+        recorded.append(joint_graph(flat, joint, num_fwd_outputs))
+        return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
+
+    trace(model, flat, training_function(model, flat, record), args, kwargs)
+    return recorded[0]
+
+
+def joint_graph(flat: FlatCall, joint: fx.GraphModule, num_fwd_outputs: int) -> JointGraph:
+    kinds = ["param"] * len(flat.param_names) + ["buffer"] * len(flat.buffer_names)
+    kinds += ["input"] * len(flat.input_names)
+    names = flat.param_names + flat.buffer_names + flat.input_names
+    primals = [p.name for p in joint.graph.find_nodes(op="placeholder") if not p.name.startswith("tangents")]
+    mutated = frozenset(primals[i] for i in flat.mutated)
+    return JointGraph(joint, num_fwd_outputs, kinds, names, mutated)
+
+
+@contextlib.contextmanager
+def _module_path_annotations(model: torch.nn.Module):
+    """Tag every traced node with the path of the submodule that produced it.
+
+    AOTAutograd copies a forward node's metadata to the backward nodes it produces, so
+    backward nodes get the path too. The hooks are removed when tracing ends.
+    """
+    stack: list[str] = []
+
+    def enter(name: str, _module: torch.nn.Module, _args: Any) -> None:
+        stack.append(name)
+        fx_traceback.current_meta["custom"] = {"module": name}
+
+    def leave(_name: str, _module: torch.nn.Module, _args: Any, _out: Any) -> None:
+        stack.pop()
+        fx_traceback.current_meta["custom"] = {"module": stack[-1] if stack else ""}
+
+    handles = []
+    for name, sub in model.named_modules():
+        handles.append(sub.register_forward_pre_hook(functools.partial(enter, name)))
+        handles.append(sub.register_forward_hook(functools.partial(leave, name), always_call=True))
+    saved = fx_traceback.current_meta.get("custom")
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        if saved is None:
+            fx_traceback.current_meta.pop("custom", None)
+        else:
+            fx_traceback.current_meta["custom"] = saved
+
+
+_INTERNAL_DIRS = (str(Path(torch.__file__).parent), str(Path(__file__).parent.parent))
+
+
+def _explain_trace_failure(model: torch.nn.Module, error: Exception) -> str:
+    """Name the op and the innermost line of user code where tracing failed."""
+    frames = traceback.extract_tb(error.__traceback__)
+    user = [f for f in frames if not f.filename.startswith(_INTERNAL_DIRS) and "/site-packages/" not in f.filename
+            or "/transformers/" in f.filename]
+    where = f"{user[-1].filename}:{user[-1].lineno}: {user[-1].line}" if user else "unknown location"
+    what = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    hint = (
+        "rockplan captures the whole training step as one graph, so the forward must not "
+        "branch on tensor values or call ops without a fake-tensor implementation. Make the "
+        "branch depend on shapes or Python values, or move the code outside the planned module."
+    )
+    return f"cannot capture {type(model).__name__}: {type(error).__name__}: {what}\n  at {where}\n{hint}"

@@ -1,0 +1,118 @@
+"""Schedule -> forward and backward fx GraphModules, in AOTAutograd's partition convention.
+
+The forward module takes the primals and returns (forward outputs..., saved...); the backward
+module takes (saved..., tangents...) and returns the gradients. Ops are emitted in schedule
+order; a recomputed group is copied again as fresh nodes. fx's generated code drops each
+value after its last use, and the boxed calling convention (set by the compiler we hand to
+AOTAutograd) releases saved tensors as the backward goes, so the run frees what the
+schedule frees. Views are never scheduled: they are re-derived from their base where used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+
+from rkgraph.build import is_view
+from rkgraph.capture import JointGraph
+from rkgraph.graph import RematGraph
+
+
+aten = torch.ops.aten
+
+
+class CodegenError(RuntimeError):
+    pass
+
+
+class _Emitter:
+    def __init__(self, joint: fx.GraphModule, graph: RematGraph) -> None:
+        self.fx_nodes = {n.name: n for n in joint.graph.nodes}
+        self.remat = graph
+        self.graph = fx.Graph()
+        self.env: dict[str, fx.Node] = {}
+
+    def placeholder(self, name: str) -> None:
+        node = self.graph.placeholder(name)
+        node.meta = dict(self.fx_nodes[name].meta)
+        self.env[name] = node
+
+    def value(self, node: fx.Node) -> fx.Node:
+        if node.name in self.env:
+            return self.env[node.name]
+        if is_view(node):
+            return self.graph.node_copy(node, self.value)
+        raise CodegenError(f"{node.name} is needed but was freed or never computed")
+
+    def compute(self, name: str) -> None:
+        for fx_name in self.remat.node(name).fx_nodes:
+            self.env[fx_name] = self.graph.node_copy(self.fx_nodes[fx_name], self.value)
+
+    def free(self, data: str) -> None:
+        self.env.pop(data, None)
+
+    def run(self, ops: list[Any]) -> None:
+        for op in ops:
+            if op.kind == "compute":
+                self.compute(op.name)
+            else:
+                self.free(op.name)
+
+    def module(self, root: fx.GraphModule, outputs: list[Any]) -> fx.GraphModule:
+        self.graph.output(tuple(
+            self.value(o) if isinstance(o, fx.Node) and o.graph is not self.graph else o for o in outputs
+        ))
+        self.graph.lint()
+        return fx.GraphModule(root, self.graph)
+
+
+def saved_for_backward(graph: RematGraph, backward_ops: list[Any]) -> list[str]:
+    """Data the backward reads before (re)computing it: what the forward must hand over."""
+    saved: list[str] = []
+    present: set[str] = set()
+    for op in backward_ops:
+        if op.kind != "compute":
+            present.discard(op.name)
+            continue
+        node = graph.node(op.name)
+        for d in node.inputs:
+            if d not in present and graph.data[d].kind != "tangent" and d not in saved:
+                saved.append(d)
+        present.update(node.outputs)
+    return saved
+
+
+def generate(joint: JointGraph, graph: RematGraph, schedule: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+    gm = joint.module
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    outputs = list(gm.graph.find_nodes(op="output")[0].args[0])
+    forward_ops = schedule.ops[: schedule.forward_length]
+    backward_ops = schedule.ops[schedule.forward_length:]
+    saved = saved_for_backward(graph, backward_ops)
+
+    fw = _Emitter(gm, graph)
+    for p in placeholders:
+        if not p.name.startswith("tangents"):
+            fw.placeholder(p.name)
+    fw.run(forward_ops)
+    missing = [d for d in saved if d not in fw.env]
+    if missing:
+        raise CodegenError(f"the backward needs {missing[0]}, which the forward does not keep")
+    # A data node is named after the joint node that allocates its storage. An input the step
+    # mutates (BatchNorm running stats) is updated after the forward, so a backward
+    # recomputation must read a copy of its value from before.
+    kept = [fw.graph.call_function(aten.clone.default, (fw.env[d],)) if d in joint.mutated else fw.fx_nodes[d]
+            for d in saved]
+    fw_module = fw.module(gm, outputs[: joint.num_fwd_outputs] + kept)
+
+    bw = _Emitter(gm, graph)
+    for d in saved:
+        bw.placeholder(d)
+    for p in placeholders:
+        if p.name.startswith("tangents"):
+            bw.placeholder(p.name)
+    bw.run(backward_ops)
+    bw_module = bw.module(gm, outputs[joint.num_fwd_outputs:])
+    return fw_module, bw_module
