@@ -1,0 +1,54 @@
+"""rkgraph: capture a training step as a RematGraph (knows nothing of solvers or codegen)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+
+from rkgraph.build import build_graph
+from rkgraph.capture import CaptureError, JointGraph, capture_joint
+from rkgraph.graph import ComputeNode, DataNode, RematGraph
+from rkgraph.partition import partition
+from rkgraph.profile import estimate_times, measure_times, random_tangents
+
+__all__ = [
+    "CaptureError", "ComputeNode", "DataNode", "JointGraph", "RematGraph", "build_graph",
+    "capture", "capture_joint", "estimate_times", "measure_times", "partition", "profile_graph", "random_tangents",
+]
+
+
+def profile_graph(
+    graph: RematGraph, joint: JointGraph, real_inputs: list[torch.Tensor] | None,
+    mode: Literal["measure", "estimate"] = "measure",
+) -> None:
+    """Set node times: measured on `real_inputs` (primals) when possible, else estimated."""
+    device = next((t.device.type for t in real_inputs or []), "cpu")
+    if mode == "measure" and real_inputs is not None:
+        try:
+            measure_times(graph, joint.module, [*real_inputs, *random_tangents(joint.module, device)])
+            return
+        except torch.OutOfMemoryError:
+            pass  # the store-everything replay does not fit: fall back to the estimate
+    estimate_times(graph, joint.module, device)
+
+
+def capture(
+    model: torch.nn.Module, args: Any, kwargs: dict | None = None, *,
+    profile: Literal["measure", "estimate"] = "estimate",
+) -> RematGraph:
+    """The RematGraph of one training step of `model` on the sample, with times and blocks.
+
+    `args` is a tensor or a tuple of positional arguments. The joint fx graph is attached as
+    `graph.joint`. Nothing in the model (parameters, buffers, RNG state) is changed.
+    """
+    from rkgraph.capture import flat_tensors, flatten_call
+
+    joint = capture_joint(model, args, kwargs)
+    graph = build_graph(joint, name=type(model).__name__)
+    graph.joint = joint
+    args_t = args if isinstance(args, tuple) else (args,)
+    real = flat_tensors(model, flatten_call(model, args_t, kwargs or {}), args_t, kwargs or {})
+    profile_graph(graph, joint, real, profile)
+    partition(graph)
+    return graph

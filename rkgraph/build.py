@@ -90,7 +90,6 @@ def _tensor_inputs(node: fx.Node) -> list[fx.Node]:
 def build_graph(joint: JointGraph, name: str = "") -> RematGraph:
     gm = joint.module
     storages = storage_map(gm)
-    storage_of = storages.storage_of
 
     data: dict[str, DataNode] = {}
     primal_index = 0
@@ -177,11 +176,9 @@ def _group_dataflow(group: _Group, storages: StorageMap, group_of: dict, escapin
     for n in group.ops:
         for a in _tensor_inputs(n):
             s = storage_of_input(storages, a)
-            if s not in members and s not in inputs and not (a.name in members):
+            if s not in members and s not in inputs and a.name not in members:
                 inputs.append(s)
-        if n.target is not operator.getitem and isinstance(n.meta.get("val"), torch.Tensor):
-            allocated.append(n.name)
-        elif n.target is operator.getitem:
+        if n.target is operator.getitem or isinstance(n.meta.get("val"), torch.Tensor):
             allocated.append(n.name)
     outs = [s for s in allocated if s in escaping]
 

@@ -239,14 +239,16 @@ def _module_path_annotations(model: torch.nn.Module):
             fx_traceback.current_meta["custom"] = saved
 
 
-_INTERNAL_DIRS = (str(Path(torch.__file__).parent), str(Path(__file__).parent.parent))
+_ROOT = Path(__file__).parent.parent
+_INTERNAL_DIRS = tuple(str(p) + "/" for p in
+                       (Path(torch.__file__).parent, _ROOT / "rkgraph", _ROOT / "rockplan", _ROOT / "solvers"))
 
 
 def _explain_trace_failure(model: torch.nn.Module, error: Exception) -> str:
     """Name the op and the innermost line of user code where tracing failed."""
     frames = traceback.extract_tb(error.__traceback__)
-    user = [f for f in frames if not f.filename.startswith(_INTERNAL_DIRS) and "/site-packages/" not in f.filename
-            or "/transformers/" in f.filename]
+    user = [f for f in frames if "/transformers/" in f.filename
+            or not (f.filename.startswith(_INTERNAL_DIRS) or "/site-packages/" in f.filename)]
     where = f"{user[-1].filename}:{user[-1].lineno}: {user[-1].line}" if user else "unknown location"
     what = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     hint = (

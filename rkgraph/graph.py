@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 SOURCE_KINDS = frozenset({"param", "buffer", "input"})
 DATA_KINDS = SOURCE_KINDS | {"activation", "tangent"}
@@ -62,6 +63,8 @@ class RematGraph:
     # and a class id per block: blocks with the same class are structurally identical.
     blocks: list[list[str]] = field(default_factory=list)
     block_classes: list[int] = field(default_factory=list)
+    # The captured joint fx graph this was built from (None for imported graphs); not saved.
+    joint: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.index = {n.name: i for i, n in enumerate(self.nodes)}

@@ -19,7 +19,6 @@ from rkgraph.build import is_view
 from rkgraph.capture import JointGraph
 from rkgraph.graph import RematGraph
 
-
 aten = torch.ops.aten
 
 

@@ -1,0 +1,144 @@
+"""Capture: the joint graph is complete, sized exactly, annotated, and capture changes nothing."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+import rkgraph
+from rkgraph.capture import CaptureError
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(F.gelu(self.fc(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 16, depth: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, width)
+        self.bn = nn.BatchNorm1d(width)
+        self.blocks = nn.Sequential(*[Block(width) for _ in range(depth)])
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.blocks(torch.relu(self.bn(self.inp(x)))))
+
+
+@pytest.fixture
+def net() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def test_graph_structure(net: Net) -> None:
+    graph = rkgraph.capture(net, torch.randn(32, 8))
+    graph.validate()
+    assert graph.forward_nodes and graph.backward_nodes
+    kinds = {d.kind for d in graph.data.values()}
+    assert {"param", "buffer", "input", "activation", "tangent"} <= kinds
+    # every parameter gets a gradient; BatchNorm's buffers are forward outputs (mutations)
+    assert len(graph.backward_outputs) == len(list(net.parameters()))
+    assert any(n.random for n in graph.forward_nodes)  # dropout is flagged
+    assert not any(n.random for n in graph.backward_nodes)
+    modules = {n.module for n in graph.nodes}
+    assert {"inp", "bn", "blocks.0.fc", "blocks.3.norm", "out"} <= modules
+    assert all(n.time > 0 for n in graph.nodes if n.op.startswith(("aten.mm", "aten.addmm")))
+    # views are not scheduled: every compute node allocates something
+    assert all(n.outputs or n.workspace for n in graph.nodes)
+
+
+def test_sizes_match_real_tensors(net: Net) -> None:
+    graph = rkgraph.capture(net, torch.randn(32, 8))
+    joint = graph.joint.module
+    real = [*net.parameters(), *net.buffers(), torch.randn(32, 8), *rkgraph.random_tangents(joint)]
+    values: dict[str, torch.Tensor] = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n: fx.Node):
+            out = super().run_node(n)
+            if n.name in graph.data and isinstance(out, torch.Tensor):
+                values[n.name] = out
+            return out
+
+    Recorder(joint, garbage_collect_values=False).run(*real)
+    checked = 0
+    for name, data in graph.data.items():
+        if data.kind == "activation":
+            assert values[name].untyped_storage().nbytes() == data.size, name
+            checked += 1
+    assert checked > 20
+
+
+def test_capture_changes_nothing(net: Net) -> None:
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    x = torch.randn(32, 8)
+    rng = torch.get_rng_state()
+    rkgraph.capture(net, x, profile="measure")
+    assert torch.equal(rng, torch.get_rng_state())
+    for k, v in net.state_dict().items():
+        assert torch.equal(before[k], v), k
+    assert all(p.grad is None for p in net.parameters())
+
+
+def test_identical_blocks_share_a_class(net: Net) -> None:
+    graph = rkgraph.capture(net, torch.randn(32, 8))
+    block_of = {name: i for i, block in enumerate(graph.blocks) for name in block}
+    layer_blocks = {block_of[n.name] for n in graph.forward_nodes if n.module.startswith("blocks.")}
+    assert len(layer_blocks) >= 4
+    classes = [graph.block_classes[b] for b in sorted(layer_blocks)]
+    assert len(set(classes[1:])) == 1  # layers 1..3 look alike (layer 0 follows BatchNorm+ReLU)
+
+
+def test_views_share_storage() -> None:
+    class Viewy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.fc(x)
+            return (h.view(4, 2, 8).transpose(0, 1).reshape(-1, 8) * 2).sum()
+
+    graph = rkgraph.capture(Viewy(), torch.randn(8, 8))
+    views = [n for n in graph.joint.module.graph.nodes
+             if n.op == "call_function" and n.target is not operator.getitem and rkgraph.build.is_view(n)]
+    assert views
+    assert all(v.name not in graph.data for v in views)
+
+
+def test_data_dependent_control_flow_names_the_line() -> None:
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.fc(x).sum() > 0:  # depends on values: not capturable
+                return x * 2
+            return x
+
+    with pytest.raises(CaptureError, match=r"test_capture.py:\d+: if self.fc\(x\).sum\(\) > 0"):
+        rkgraph.capture(Branchy(), torch.randn(2, 4))
+
+
+def test_sample_not_matching_forward(net: Net) -> None:
+    with pytest.raises(TypeError, match="does not match Net.forward"):
+        rkgraph.capture(net, (torch.randn(4, 8), torch.randn(4, 8)))
+
+
+def test_nothing_requires_grad(net: Net) -> None:
+    net.requires_grad_(False)
+    with pytest.raises(ValueError, match="nothing in Net or its inputs requires grad"):
+        rkgraph.capture(net, torch.randn(4, 8))
