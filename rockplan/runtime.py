@@ -1,0 +1,174 @@
+"""Rockmate: the nn.Module users hold. Captures, plans and runs a training step under a budget.
+
+Planning happens inside AOTAutograd's partition step: AOTAutograd traces the step (on fake
+tensors, so nothing real runs), hands us the joint graph, and we return the forward and
+backward modules generated from the chosen schedule. AOTAutograd's own runtime then runs them
+in one autograd.Function and applies buffer mutations once per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+from torch._dynamo.backends.debugging import boxed_nop
+
+from rkgraph import build_graph, partition, profile_graph
+from rkgraph.capture import FlatCall, flat_tensors, flatten_call, joint_graph, trace, training_function
+from rkgraph.graph import RematGraph
+from rockplan.budget import format_bytes, parse_budget
+from rockplan.codegen import generate
+from solvers import SOLVERS, Schedule, simulate, solve_store_all
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Plan:
+    """Everything planned for one input signature."""
+
+    graph: RematGraph
+    schedule: Schedule
+    budget: int
+    store_all_peak: int
+    compiled: Any
+    flat: FlatCall
+    plan_time: float
+
+
+def _signature(model: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    described = tuple(
+        ("tensor", tuple(x.shape), x.dtype, x.device, x.requires_grad) if isinstance(x, torch.Tensor) else x
+        for x in leaves
+    )
+    return (str(spec), described, tuple((p.dtype, p.device, p.requires_grad) for p in model.parameters()))
+
+
+def _split_sample(sample: Any) -> tuple[tuple, dict]:
+    if isinstance(sample, torch.Tensor):
+        return (sample,), {}
+    if isinstance(sample, tuple) and len(sample) == 2 and isinstance(sample[0], tuple) and isinstance(sample[1], dict):
+        return sample
+    if isinstance(sample, (tuple, list)):
+        return tuple(sample), {}
+    return (sample,), {}
+
+
+class Rockmate(nn.Module):
+    """Wrap `model` so that a training step fits in `budget`, with the same outputs and gradients.
+
+    `sample` is a tensor, a tuple of positional arguments, or `(args, kwargs)`. `budget` is
+    bytes, a size string ("1.5GiB") or a ratio of the step memory without rematerialization.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sample: Any,
+        budget: int | float | str = 1.0,
+        *,
+        solver: str = "ilp",
+        profile: Literal["measure", "estimate"] = "measure",
+        backend: Literal["eager", "inductor"] = "eager",
+        on_new_input: Literal["replan", "error"] = "replan",
+        solver_options: dict | None = None,
+    ) -> None:
+        super().__init__()
+        if solver not in SOLVERS:
+            raise ValueError(f"unknown solver {solver!r}; choose one of {sorted(SOLVERS)}")
+        self.model = model
+        self.budget_spec = budget
+        self.solver = solver
+        self.profile = profile
+        self.backend = backend
+        self.on_new_input = on_new_input
+        self.solver_options = solver_options or {}
+        self._plans: dict[tuple, Plan] = {}
+        args, kwargs = _split_sample(sample)
+        self._sample_signature = _signature(model, args, kwargs)
+        self._current = self._plan(args, kwargs)
+
+    # --- what users read -------------------------------------------------------------------
+    @property
+    def schedule(self) -> Schedule:
+        return self._current.schedule
+
+    @property
+    def graph(self) -> RematGraph:
+        return self._current.graph
+
+    @property
+    def budget(self) -> int:
+        return self._current.budget
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self.model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model.load_state_dict(*args, **kwargs)
+
+    # --- planning ------------------------------------------------------------------------------
+    def _plan(self, args: tuple, kwargs: dict) -> Plan:
+        start = time.perf_counter()
+        flat = flatten_call(self.model, args, kwargs)
+        real = flat_tensors(self.model, flat, args, kwargs)
+        result: dict[str, Any] = {}
+
+        def plan_and_generate(joint_module: fx.GraphModule, _inputs: Any, *, num_fwd_outputs: int, **_kw: Any):
+            joint = joint_graph(flat, joint_module, num_fwd_outputs)
+            graph = build_graph(joint, name=type(self.model).__name__)
+            graph.joint = joint
+            profile_graph(graph, joint, real, self.profile)
+            partition(graph)
+            store_all = solve_store_all(graph)
+            budget = parse_budget(self.budget_spec, store_all.predicted_peak)
+            log.info("planning %s: %d nodes, budget %s (store-all peak %s)", graph.name, len(graph.nodes),
+                     format_bytes(budget), format_bytes(store_all.predicted_peak))
+            schedule = SOLVERS[self.solver](graph, budget, **self.solver_options)
+            simulate(graph, schedule, budget)  # the referee: never run an unchecked plan
+            result.update(graph=graph, schedule=schedule, budget=budget, store_all_peak=store_all.predicted_peak)
+            return generate(joint, graph, schedule)
+
+        compiler = boxed_nop
+        if self.backend == "inductor":
+            from torch._inductor.compile_fx import compile_fx_inner
+
+            compiler = compile_fx_inner
+        compiled = training_function(self.model, flat, plan_and_generate, compiler, compiler)
+        trace(self.model, flat, compiled, args, kwargs)
+        plan = Plan(compiled=compiled, flat=flat, plan_time=time.perf_counter() - start, **result)
+        self._plans[_signature(self.model, args, kwargs)] = plan
+        return plan
+
+    # --- running -------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not (self.training and torch.is_grad_enabled()):
+            return self.model(*args, **kwargs)  # no backward to plan for: the plain forward
+        signature = _signature(self.model, args, kwargs)
+        plan = self._plans.get(signature)
+        if plan is None:
+            if self.on_new_input == "error":
+                raise ValueError(f"input differs from the planned sample: {_describe_difference(self._sample_signature, signature)}; "
+                                 "pass on_new_input='replan' to plan for it")
+            plan = self._plan(args, kwargs)
+        self._current = plan
+        return plan.compiled(*flat_tensors(self.model, plan.flat, args, kwargs))
+
+    def train(self, mode: bool = True) -> Rockmate:
+        super().train(mode)
+        return self
+
+
+def _describe_difference(planned: tuple, got: tuple) -> str:
+    for i, (a, b) in enumerate(zip(planned[1], got[1])):
+        if a != b:
+            return f"argument leaf {i}: planned {a}, got {b}"
+    if planned[0] != got[0]:
+        return f"argument structure: planned {planned[0]}, got {got[0]}"
+    return "parameters changed dtype, device or requires_grad"
