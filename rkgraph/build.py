@@ -23,10 +23,13 @@ _ALIASING_OPS = {torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.defau
 
 
 def is_view(node: fx.Node) -> bool:
+    """Allocates nothing: a view op, or an element of a view op's result list (split, unbind)."""
+    if node.op != "call_function":
+        return False
     target = node.target
-    return node.op == "call_function" and (
-        target in _ALIASING_OPS or (isinstance(target, torch._ops.OpOverload) and target.is_view)
-    )
+    if target is operator.getitem:
+        return is_view(node.args[0])
+    return target in _ALIASING_OPS or (isinstance(target, torch._ops.OpOverload) and target.is_view)
 
 
 def _is_pointwise(node: fx.Node) -> bool:

@@ -169,7 +169,8 @@ def trace(
             f"nothing in {type(model).__name__} or its inputs requires grad: there is no backward "
             "to plan. Check that parameters are not all frozen (requires_grad=False)."
         )
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    # Ops with no tensor inputs (arange) make real constants when the fake forward runs.
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes = [mode.from_tensor(t) for t in tensors]
     with _module_path_annotations(model), fx_traceback.preserve_node_meta(), torch.enable_grad():
         try:
