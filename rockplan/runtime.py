@@ -35,7 +35,7 @@ class Plan:
     graph: RematGraph
     schedule: Schedule
     budget: int
-    store_all_peak: int
+    store_all: Schedule  # what autograd alone would do: the reference for ratios and overheads
     compiled: Any
     flat: FlatCall
     plan_time: float
@@ -53,8 +53,8 @@ def _signature(model: nn.Module, args: tuple, kwargs: dict) -> tuple:
 def _split_sample(sample: Any) -> tuple[tuple, dict]:
     if isinstance(sample, torch.Tensor):
         return (sample,), {}
-    if isinstance(sample, tuple) and len(sample) == 2 and isinstance(sample[0], tuple) and isinstance(sample[1], dict):
-        return sample
+    if isinstance(sample, tuple) and len(sample) == 2 and isinstance(sample[1], dict):
+        return tuple(sample[0]) if isinstance(sample[0], (tuple, list)) else (sample[0],), sample[1]
     if isinstance(sample, (tuple, list)):
         return tuple(sample), {}
     return (sample,), {}
@@ -107,6 +107,14 @@ class Rockmate(nn.Module):
     def budget(self) -> int:
         return self._current.budget
 
+    @property
+    def store_all_peak(self) -> int:
+        return self._current.store_all.predicted_peak
+
+    @property
+    def store_all_time(self) -> float:
+        return self._current.store_all.predicted_time
+
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         return self.model.state_dict(*args, **kwargs)
 
@@ -120,7 +128,7 @@ class Rockmate(nn.Module):
         real = flat_tensors(self.model, flat, args, kwargs)
         result: dict[str, Any] = {}
 
-        def plan_and_generate(joint_module: fx.GraphModule, _inputs: Any, *, num_fwd_outputs: int, **_kw: Any):
+        def plan_and_generate(joint_module: fx.GraphModule, _inputs: Any, *, num_fwd_outputs: int, **_: Any):
             joint = joint_graph(flat, joint_module, num_fwd_outputs)
             graph = build_graph(joint, name=type(self.model).__name__)
             graph.joint = joint
@@ -132,7 +140,7 @@ class Rockmate(nn.Module):
                      format_bytes(budget), format_bytes(store_all.predicted_peak))
             schedule = SOLVERS[self.solver](graph, budget, **self.solver_options)
             simulate(graph, schedule, budget)  # the referee: never run an unchecked plan
-            result.update(graph=graph, schedule=schedule, budget=budget, store_all_peak=store_all.predicted_peak)
+            result.update(graph=graph, schedule=schedule, budget=budget, store_all=store_all)
             return generate(joint, graph, schedule)
 
         compiler = boxed_nop
@@ -154,7 +162,8 @@ class Rockmate(nn.Module):
         plan = self._plans.get(signature)
         if plan is None:
             if self.on_new_input == "error":
-                raise ValueError(f"input differs from the planned sample: {_describe_difference(self._sample_signature, signature)}; "
+                difference = _describe_difference(self._sample_signature, signature)
+                raise ValueError(f"input differs from the planned sample: {difference}; "
                                  "pass on_new_input='replan' to plan for it")
             plan = self._plan(args, kwargs)
         self._current = plan

@@ -1,0 +1,131 @@
+"""Rockmate against eager PyTorch: same outputs, gradients and buffers; measured memory in budget."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+from rockplan import zoo
+from rockplan.memory import measure_step
+from rockplan.runtime import Rockmate
+from solvers import InfeasibleBudget, min_feasible_budget
+
+MODELS = [name for name in zoo.ZOO if name != "hf_gpt2" or importlib.util.find_spec("transformers")]
+SOLVER_OPTIONS = {"time_limit": 10}
+
+
+def _outputs_sum(out: object) -> torch.Tensor:
+    """A loss that allocates nothing beyond what the graph counts (the tangents are views)."""
+    return sum(t.float().sum() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad)
+
+
+def _step(model: torch.nn.Module, args: tuple, kwargs: dict, seed: int = 1) -> object:
+    torch.manual_seed(seed)
+    out = model(*args, **kwargs)
+    _outputs_sum(out).backward()
+    return out
+
+
+def _assert_same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=f"gradient of {name}")
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        torch.testing.assert_close(x, y, rtol=0, atol=0, msg=f"state {name}")
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.5, "min"])
+@pytest.mark.parametrize("name", MODELS)
+def test_same_gradients_and_budget_honoured(name: str, budget: float | str) -> None:
+    model, args, kwargs, _loss = zoo.make(name, "tiny")
+    reference = copy.deepcopy(model)
+    if budget == "min":
+        probe = Rockmate(model, (args, kwargs), 1.0, solver="store_all")
+        budget = min_feasible_budget(probe.graph)
+    try:
+        rk = Rockmate(model, (args, kwargs), budget, solver="ilp", solver_options=SOLVER_OPTIONS)
+    except InfeasibleBudget as e:
+        assert "smallest feasible budget" in str(e)
+        pytest.skip(f"{budget} is below the feasible minimum for {name}")
+    planned = measure_step(_step, rk, args, kwargs)
+    eager = _step(reference, args, kwargs)
+    torch.testing.assert_close(planned.result, eager, rtol=0, atol=0)
+    _assert_same_state(model, reference)
+
+    measured, predicted = planned.peak, rk.schedule.predicted_peak
+    assert measured <= rk.budget, f"measured {measured} B over budget {rk.budget} B"
+    assert abs(measured - predicted) <= 0.10 * measured, f"predicted {predicted} B, measured {measured} B"
+
+
+@pytest.mark.parametrize("name", ["gpt", "resnet"])
+def test_parameters_identical_after_three_optimizer_steps(name: str) -> None:
+    model, args, kwargs, loss_fn = zoo.make(name, "tiny")
+    reference = copy.deepcopy(model)
+    rk = Rockmate(model, (args, kwargs), 0.5, solver="ilp", solver_options=SOLVER_OPTIONS)
+    assert list(rk.parameters()) == list(model.parameters())  # the optimizer sees the same objects
+    for module in (rk, reference):
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+        torch.manual_seed(3)
+        for _ in range(3):
+            loss_fn(module(*args, **kwargs), *args).backward()
+            opt.step()
+            opt.zero_grad()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    for x, y in zip(model.buffers(), reference.buffers()):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+def test_recomputed_dropout_reproduces_its_mask() -> None:
+    model, args, kwargs, _ = zoo.make("gpt", "tiny")
+    reference = copy.deepcopy(model)
+    graph = Rockmate(model, (args, kwargs), 1.0, solver="store_all").graph
+    budget = min_feasible_budget(graph)
+    rk = Rockmate(model, (args, kwargs), budget, solver="ilp", solver_options=SOLVER_OPTIONS)
+    recomputed = {op.name for op in rk.schedule.backward_ops if op.kind == "compute"} & {
+        n.name for n in rk.graph.forward_nodes
+    }
+    assert recomputed, "the plan at the minimum budget should recompute something"
+    torch.testing.assert_close(_step(rk, args, kwargs), _step(reference, args, kwargs), rtol=0, atol=0)
+    _assert_same_state(model, reference)
+
+
+def test_eval_and_no_grad_run_the_plain_forward() -> None:
+    model, args, kwargs, _ = zoo.make("gpt", "tiny")
+    rk = Rockmate(model, (args, kwargs), 1.0, solver="store_all")
+    rk.eval()
+    assert not model.training
+    torch.testing.assert_close(rk(*args, **kwargs), model(*args, **kwargs))
+    rk.train()
+    with torch.no_grad():
+        out = rk(*args, **kwargs)
+    assert not out.requires_grad
+    assert rk.state_dict().keys() == model.state_dict().keys()
+
+
+def test_new_input_shape_replans_or_errors() -> None:
+    model, args, kwargs, _ = zoo.make("mlp", "tiny")
+    (x,) = args
+    rk = Rockmate(model, (args, kwargs), 1.0, solver="store_all")
+    bigger = torch.randn(x.shape[0] * 2, *x.shape[1:])
+    out = rk(bigger)
+    assert out.shape[0] == bigger.shape[0]
+    assert len(rk._plans) == 2
+    strict = Rockmate(model, (args, kwargs), 1.0, solver="store_all", on_new_input="error")
+    with pytest.raises(ValueError, match="differs from the planned sample"):
+        strict(bigger)
+
+
+def test_budget_below_minimum_states_the_minimum() -> None:
+    model, args, kwargs, _ = zoo.make("mlp", "tiny")
+    with pytest.raises(InfeasibleBudget, match="smallest feasible budget"):
+        Rockmate(model, (args, kwargs), 1, solver="ilp")
+
+
+def test_bad_budget_units() -> None:
+    model, args, kwargs, _ = zoo.make("mlp", "tiny")
+    with pytest.raises(ValueError, match="cannot read budget"):
+        Rockmate(model, (args, kwargs), "12 parsecs", solver="store_all")
