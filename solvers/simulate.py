@@ -1,0 +1,245 @@
+"""The referee: replay a schedule on a graph, check it is valid and measure its memory and time.
+
+Memory semantics are those of `rkgraph.graph` (see its docstring); every solver's output goes
+through `simulate` before it is returned, so this file is the single definition of "valid".
+
+`free_at_last_use` is the other half: solvers decide only *which* nodes to compute in which
+order, and this helper inserts the frees, as early as the semantics allow. Keeping the free
+placement in one place means no solver can get liveness subtly wrong on its own.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from rkgraph.graph import RematGraph
+from solvers.schedule import Op, Schedule
+
+
+class InvalidSchedule(ValueError):
+    """The schedule cannot run on the graph (or does not fit its budget)."""
+
+
+class InfeasibleBudget(ValueError):
+    """No schedule can run the graph within the budget."""
+
+
+@dataclass
+class SimulationResult:
+    peak: int  # bytes, the largest memory at any point, transient allocations included
+    curve: list[int]  # memory after each op (tangents counted from the first backward op)
+    time: float  # sum of the times of all compute ops
+    recompute_counts: dict[str, int] = field(default_factory=dict)  # node -> extra computations
+
+
+def _tangents(graph: RematGraph) -> list[str]:
+    return [d for d, dn in graph.data.items() if dn.kind == "tangent"]
+
+
+def simulate(graph: RematGraph, schedule: Schedule, budget: int | None = None) -> SimulationResult:
+    """Replay `schedule`; raise InvalidSchedule naming the first bad op and why."""
+    alive: set[str] = set()  # non-source data currently allocated
+    memory = 0
+    peak = 0
+    curve: list[int] = []
+    time = 0.0
+    counts: dict[str, int] = defaultdict(int)
+
+    def fail(where: str, why: str) -> InvalidSchedule:
+        return InvalidSchedule(f"{where}: {why}")
+
+    def note_peak(value: int, where: str) -> None:
+        nonlocal peak
+        peak = max(peak, value)
+        if budget is not None and value > budget:
+            raise fail(where, f"memory {value} bytes exceeds the budget of {budget} bytes")
+
+    def check_required(required: Iterable[str], where: str, what: str) -> None:
+        for d in required:
+            if d not in graph.data:
+                raise fail(where, f"{what} {d} is not a data node of the graph")
+            if not graph.is_source(d) and d not in alive:
+                raise fail(where, f"{what} {d} is not alive")
+
+    def enter_backward(where: str) -> None:
+        """Phase boundary: forward outputs must be alive, then the tangents appear (counted)."""
+        nonlocal memory
+        check_required(graph.forward_outputs, where, "at the end of the forward phase, forward output")
+        tangents = _tangents(graph)
+        alive.update(tangents)
+        memory += sum(graph.data[d].size for d in tangents)
+        note_peak(memory, where)
+
+    for i, op in enumerate(schedule.ops):
+        where = f"op {i} ({op})"
+        if i == schedule.forward_length:
+            enter_backward(where)
+        backward_phase = i >= schedule.forward_length
+        if op.kind == "compute":
+            if op.name not in graph.index:
+                raise fail(where, f"unknown compute node {op.name}")
+            node = graph.node(op.name)
+            if node.backward and not backward_phase:
+                raise fail(where, "backward node computed in the forward phase")
+            if node.random and counts[op.name] >= 1:
+                raise fail(where, "random node computed twice (it would draw a different mask)")
+            for d in node.inputs:
+                if not graph.is_source(d) and d not in alive:
+                    raise fail(where, f"input {d} is not alive")
+            outputs = set(node.outputs)
+            note_peak(memory + sum(graph.data[d].size for d in outputs) + node.workspace, where)
+            # An output that is already alive is replaced by the new value, not stored twice.
+            for d in outputs - alive:
+                memory += graph.data[d].size
+            alive |= outputs
+            counts[op.name] += 1
+            time += node.time
+        elif op.kind == "free":
+            if op.name not in graph.data:
+                raise fail(where, f"unknown data node {op.name}")
+            if graph.is_source(op.name):
+                raise fail(where, f"{op.name} is a source ({graph.data[op.name].kind}), never freed")
+            if op.name not in alive:
+                raise fail(where, f"{op.name} is not alive")
+            alive.remove(op.name)
+            memory -= graph.data[op.name].size
+        else:
+            raise fail(where, f"unknown op kind {op.kind!r}")
+        curve.append(memory)
+
+    end = "end of schedule"
+    if schedule.forward_length == len(schedule.ops):  # empty backward phase: boundary is the end
+        enter_backward(end)
+    check_required(graph.backward_outputs, end, "backward output")
+    recomputes = {name: c - 1 for name, c in counts.items() if c > 1}
+    return SimulationResult(peak, curve, time, recomputes)
+
+
+# --- liveness -----------------------------------------------------------------------------
+
+
+class _Liveness:
+    """Def/use positions of every non-source data node in a compute sequence."""
+
+    def __init__(self, graph: RematGraph, computes: Sequence[str]) -> None:
+        self.defs: dict[str, list[int]] = defaultdict(list)
+        self.reads: dict[str, list[int]] = defaultdict(list)
+        for p, name in enumerate(computes):
+            node = graph.node(name)
+            for d in dict.fromkeys(node.inputs):
+                if not graph.is_source(d):
+                    self.reads[d].append(p)
+            for d in node.outputs:
+                self.defs[d].append(p)
+        self.length = len(computes)
+
+    def next_def(self, d: str, p: int) -> int:
+        """Position of the next computation of d after p (the sequence length if none)."""
+        defs = self.defs.get(d, [])
+        k = bisect.bisect_right(defs, p)
+        return defs[k] if k < len(defs) else self.length
+
+    def last_read(self, d: str, start: int, stop: int) -> int | None:
+        """Last position in [start, stop) that reads d, or None."""
+        reads = self.reads.get(d, [])
+        k = bisect.bisect_left(reads, stop) - 1
+        return reads[k] if k >= 0 and reads[k] >= start else None
+
+
+def _drop_dead(graph: RematGraph, computes: list[str], forward_count: int,
+               keep: frozenset[str]) -> tuple[list[str], int]:
+    """Remove computations none of whose outputs is ever read or required before being recomputed.
+
+    Solvers (the ILP especially, when a node costs nothing) may schedule useless work; removing
+    it can only lower time and memory, so it is done here once for all of them.
+    """
+    fwd_out = set(graph.forward_outputs)
+    while True:
+        live = _Liveness(graph, computes)
+        dead: set[int] = set()
+        for p, name in enumerate(computes):
+            used = False
+            for d in graph.node(name).outputs:
+                nxt = live.next_def(d, p)
+                if (live.last_read(d, p + 1, nxt) is not None
+                        or (d in fwd_out and p < forward_count <= nxt)
+                        or (d in keep and nxt == len(computes))):
+                    used = True
+                    break
+            if not used:
+                dead.add(p)
+        if not dead:
+            return computes, forward_count
+        forward_count -= sum(1 for p in dead if p < forward_count)
+        computes = [c for p, c in enumerate(computes) if p not in dead]
+
+
+def free_at_last_use(graph: RematGraph, computes: Sequence[str], forward_count: int,
+                     keep: Iterable[str] = ()) -> tuple[list[Op], int]:
+    """Turn an ordered list of compute nodes into ops with frees inserted as early as possible.
+
+    `computes[:forward_count]` run in the forward phase. Each computed value lives until its
+    last read before the next computation of the same data (a recomputation starts a new
+    lifetime), stretched to the phase boundary for forward outputs and to the end for backward
+    outputs and `keep`. Computations whose results are never used are dropped.
+    Returns (ops, forward_length).
+    """
+    keep_set = frozenset(keep) | frozenset(graph.backward_outputs)
+    computes, forward_count = _drop_dead(graph, list(computes), forward_count, keep_set)
+    live = _Liveness(graph, computes)
+    m = len(computes)
+    fwd_out = set(graph.forward_outputs)
+    frees_after: dict[int, list[str]] = defaultdict(list)
+    boundary_frees: list[str] = []  # freed as the backward phase starts, once tangents appear
+
+    def place(d: str, made_at: int | None, stop: int, required_at_boundary: bool) -> None:
+        """Schedule the free of the value of d made at `made_at` (None: a tangent, made at the
+        boundary) and replaced at `stop`: after its last read, at the boundary if it is
+        required there and unread after it, right after its op if nobody reads it."""
+        if d in keep_set and stop == m:
+            return
+        start = forward_count if made_at is None else made_at + 1
+        last = live.last_read(d, start, stop)
+        if required_at_boundary and (last is None or last < forward_count):
+            boundary_frees.append(d)
+        elif last is not None:
+            frees_after[last].append(d)
+        else:
+            assert made_at is not None  # tangents are required at the boundary
+            frees_after[made_at].append(d)
+
+    for p, name in enumerate(computes):
+        for d in graph.node(name).outputs:
+            nxt = live.next_def(d, p)
+            place(d, p, nxt, d in fwd_out and p < forward_count <= nxt)
+    for d in _tangents(graph):
+        place(d, None, m, True)
+
+    ops: list[Op] = []
+    for p, name in enumerate(computes):
+        if p == forward_count:
+            ops.extend(Op("free", d) for d in boundary_frees)
+        ops.append(Op("compute", name))
+        ops.extend(Op("free", d) for d in frees_after[p])
+        if p == forward_count - 1:
+            forward_length = len(ops)
+    if forward_count == 0:
+        forward_length = 0
+    if forward_count == m:
+        ops.extend(Op("free", d) for d in boundary_frees)
+    return ops, forward_length
+
+
+def schedule_from_computes(graph: RematGraph, computes: Sequence[str], forward_count: int, *,
+                           solver: str, budget: int | None = None, keep: Iterable[str] = (),
+                           **metadata: object) -> Schedule:
+    """Insert frees, replay in the simulator (budget included) and fill the predictions."""
+    ops, forward_length = free_at_last_use(graph, computes, forward_count, keep)
+    schedule = Schedule(ops, forward_length, solver=solver, budget=budget, **metadata)
+    result = simulate(graph, schedule, budget)
+    schedule.predicted_peak = result.peak
+    schedule.predicted_time = result.time
+    return schedule
