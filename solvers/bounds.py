@@ -1,0 +1,125 @@
+"""The smallest budget at which a schedule exists: a proven lower bound and a schedule near it.
+
+Lower bound (sound: no schedule of any solver can peak below it):
+- every node that a required output depends on runs at least once, and while it runs its
+  non-source inputs, all its outputs and its workspace are allocated at the same time;
+- at the phase boundary the forward outputs are alive and the tangents appear;
+- at the end every backward output is alive.
+
+Upper bound: `min_memory_schedule`, which keeps across stages only what cannot be recomputed
+(tangents, random outputs, backward values) and recomputes every forward activation from
+those and the sources each time it is read; plus the baselines. When the best of them peaks
+exactly at the lower bound (the common case: the largest single step sets the floor), the
+minimum is known exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rkgraph.graph import RematGraph
+from solvers.checkpoint_blocks import solve_checkpoint_blocks
+from solvers.schedule import Schedule
+from solvers.simulate import schedule_from_computes
+from solvers.sqrt_segments import solve_sqrt_segments
+from solvers.store_all import solve_store_all
+
+
+def format_bytes(n: float) -> str:
+    """Human units, binary prefixes: 1536 -> '1.50 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def needed_nodes(graph: RematGraph) -> set[str]:
+    """Nodes a required output depends on: only these must run in every schedule."""
+    needed: set[str] = set()
+    stack = [d for d in (*graph.forward_outputs, *graph.backward_outputs) if d in graph.data]
+    seen: set[str] = set()
+    while stack:
+        d = stack.pop()
+        if d in seen:
+            continue
+        seen.add(d)
+        producer = graph.data[d].producer
+        if producer is not None and producer not in needed:
+            needed.add(producer)
+            stack.extend(graph.node(producer).inputs)
+    return needed
+
+
+def memory_lower_bound(graph: RematGraph) -> tuple[int, str]:
+    """(bytes, reason): no schedule can peak below this; the reason names what forces it."""
+    def size(names: object) -> int:
+        return sum(graph.data[d].size for d in dict.fromkeys(names) if not graph.is_source(d))
+
+    tangents = [d for d, dn in graph.data.items() if dn.kind == "tangent"]
+    candidates = [(size(graph.forward_outputs) + size(tangents),
+                   "forward outputs and tangents alive together at the phase boundary"),
+                  (size(graph.backward_outputs), "backward outputs alive at the end")]
+    for name in needed_nodes(graph):
+        node = graph.node(name)
+        candidates.append((size(node.inputs) + size(node.outputs) + node.workspace,
+                           f"node {name} needs its inputs, outputs and workspace at once"))
+    return max(candidates)
+
+
+def min_memory_schedule(graph: RematGraph) -> Schedule:
+    """Stage by stage in graph order, keep only values that cannot be recomputed and recompute
+    each missing forward activation (and its missing ancestors) right before it is read."""
+    persistent = {d for d, dn in graph.data.items() if dn.kind == "tangent"}
+    for node in graph.nodes:
+        if node.backward or node.random:
+            persistent.update(node.outputs)
+    computes: list[str] = []
+    forward_count = 0
+    for t, node in enumerate(graph.nodes):
+        if t == len(graph.forward_nodes):
+            forward_count = len(computes)
+        available = {d for d in persistent if graph.data[d].kind != "tangent" or node.backward}
+        missing: set[str] = set()  # nodes to recompute in this stage
+        stack = [d for d in node.inputs if not graph.is_source(d)]
+        while stack:
+            d = stack.pop()
+            producer = graph.data[d].producer
+            if d in available or producer is None or producer in missing:
+                continue
+            if graph.index[producer] >= t:
+                raise ValueError(f"node {node.name} reads {d} before it is produced")
+            missing.add(producer)
+            stack.extend(x for x in graph.node(producer).inputs if not graph.is_source(x))
+        computes.extend(sorted(missing, key=graph.index.__getitem__))
+        computes.append(node.name)
+    if len(graph.forward_nodes) == len(graph.nodes):
+        forward_count = len(computes)
+    return schedule_from_computes(graph, computes, forward_count, solver="min_memory")
+
+
+@dataclass
+class BudgetBounds:
+    lower: int  # proven: no schedule peaks below
+    lower_reason: str
+    upper: int  # achieved by `schedule`
+    schedule: Schedule
+
+    @property
+    def exact(self) -> bool:
+        return self.lower == self.upper
+
+
+def budget_bounds(graph: RematGraph) -> BudgetBounds:
+    lower, reason = memory_lower_bound(graph)
+    candidates = [min_memory_schedule(graph), solve_store_all(graph), solve_checkpoint_blocks(graph),
+                  solve_sqrt_segments(graph)]
+    best = min(candidates, key=lambda s: (s.predicted_peak, s.predicted_time))
+    return BudgetBounds(lower, reason, best.predicted_peak, best)
+
+
+def min_feasible_budget(graph: RematGraph) -> int:
+    """Smallest budget (bytes) at which a schedule is known to exist. Exact whenever the
+    best constructive schedule meets the lower bound (`budget_bounds(graph).exact`);
+    otherwise the true minimum lies in [budget_bounds(graph).lower, this value]."""
+    return budget_bounds(graph).upper
