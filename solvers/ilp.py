@@ -1,0 +1,98 @@
+"""`solve_ilp`: the time-optimal schedule under a memory budget, by Checkmate's MILP on HiGHS.
+
+Around the model (solvers/ilp_model.py) this file does what makes it dependable:
+- budgets below the proven floor are refused at once with the floor in the message;
+- the baselines that fit the budget warm-start HiGHS, so the solver starts from a schedule
+  and only has to improve it (the flat MILP's weak point is finding feasible schedules);
+- whatever happens (time limit without incumbent, a model rendered infeasible by rounding
+  sizes up), the best schedule that fits is returned: the MILP's if better, else a baseline.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from rkgraph.graph import RematGraph
+from solvers.bounds import format_bytes, memory_lower_bound, min_memory_schedule
+from solvers.checkpoint_blocks import solve_checkpoint_blocks
+from solvers.ilp_model import CheckmateMilp, alive_at_stage_starts, stages_of
+from solvers.schedule import Schedule
+from solvers.simulate import InfeasibleBudget, InvalidSchedule, schedule_from_computes
+from solvers.sqrt_segments import solve_sqrt_segments
+from solvers.store_all import solve_store_all
+
+log = logging.getLogger(__name__)
+
+# Memory is expressed in units of budget / MEMORY_UNITS (at least one byte), so that the
+# model's coefficients stay small integers whatever the model size.
+MEMORY_UNITS = 10_000
+
+
+def memory_unit(budget: int) -> int:
+    return max(1, budget // MEMORY_UNITS)
+
+
+def baseline_schedules(graph: RematGraph) -> list[Schedule]:
+    return [solve_store_all(graph), solve_checkpoint_blocks(graph), solve_sqrt_segments(graph),
+            min_memory_schedule(graph)]
+
+
+def solve_ilp(graph: RematGraph, budget: int, time_limit: float = 60, mip_rel_gap: float = 0.01,
+              warm_start: Schedule | None = None) -> Schedule:
+    """Minimise total compute time with peak memory <= budget (bytes).
+
+    Returns a schedule validated by the simulator, with `lower_bound` (the MILP's dual bound on
+    the time) and `gap`. Raises InfeasibleBudget when the budget is below the proven floor, or
+    when no schedule was found and no baseline fits.
+    """
+    start = time.perf_counter()
+    floor, reason = memory_lower_bound(graph)
+    if budget < floor:
+        raise InfeasibleBudget(
+            f"budget {budget} bytes ({format_bytes(budget)}) is below the smallest feasible budget "
+            f"{floor} bytes ({format_bytes(floor)}): {reason}")
+    candidates = baseline_schedules(graph) + ([warm_start] if warm_start is not None else [])
+    fitting = sorted((s for s in candidates if s.predicted_peak <= budget), key=lambda s: s.predicted_time)
+
+    unit = memory_unit(budget)
+    model = CheckmateMilp(graph, unit, budget // unit)
+    for schedule in fitting:
+        stages = stages_of(graph, schedule.computes())
+        if stages is not None:
+            accepted = model.warm_start(stages, alive_at_stage_starts(graph, schedule, stages))
+            log.info("warm start from %s (time %.4g): %s", schedule.solver, schedule.predicted_time,
+                     "accepted" if accepted else "rejected")
+            break
+    remaining = max(1.0, time_limit - (time.perf_counter() - start))
+    result = model.solve(remaining, mip_rel_gap)
+    log.info("MILP %s: %d binaries, objective %s, bound %s", result.status, result.binaries,
+             result.objective, result.dual_bound)
+
+    best: Schedule | None = None
+    if result.stages is not None:
+        nf = len(graph.forward_nodes)
+        computes = [graph.nodes[i].name for stage in result.stages for i in stage]
+        forward_count = sum(len(stage) for stage in result.stages[:nf])
+        try:
+            best = schedule_from_computes(graph, computes, forward_count, solver="ilp", budget=budget)
+        except InvalidSchedule as error:  # a modelling bug; never hand it to the runtime
+            log.error("MILP schedule rejected by the simulator: %s", error)
+    if fitting and (best is None or fitting[0].predicted_time < best.predicted_time):
+        best = fitting[0]
+    if best is None:
+        known = min(s.predicted_peak for s in candidates)
+        raise InfeasibleBudget(
+            f"no schedule found within {budget} bytes ({format_bytes(budget)}; MILP: {result.status}); "
+            f"the smallest known feasible budget is {known} bytes ({format_bytes(known)}), "
+            f"no schedule exists below {floor} bytes ({format_bytes(floor)})")
+    schedule = Schedule(best.ops, best.forward_length, solver="ilp", budget=budget,
+                        predicted_peak=best.predicted_peak, predicted_time=best.predicted_time)
+    if result.dual_bound is not None:
+        schedule.lower_bound = min(result.dual_bound, schedule.predicted_time)
+        schedule.gap = ((schedule.predicted_time - schedule.lower_bound) / schedule.predicted_time
+                        if schedule.predicted_time > 0 else 0.0)
+    schedule.extra = {"status": result.status, "binaries": result.binaries, "memory_unit": unit,
+                      "schedule_from": best.solver}
+    schedule.solve_time = time.perf_counter() - start
+    return schedule

@@ -1,0 +1,313 @@
+"""Checkmate's MILP (Jain et al., MLSys 2020) on a RematGraph, built as sparse arrays for HiGHS.
+
+Stages t = 0..n-1 follow the graph order ("frontier advancing"): stage t computes node t,
+possibly after recomputing earlier nodes i < t in index order (lower-triangular R).
+Variables, in memory units (sizes rounded up, so a feasible model is a feasible schedule):
+  R[t,i]   binary   node i runs in stage t; R[t,t] = 1; random nodes only in their own stage
+  S[t,d]   binary   data d is alive at the start of stage t (t = n: at the end); tangents are
+                    S[nf,d] = 1 at the first backward stage nf and can only be kept after
+  F[t,d,k] in [0,1] d is freed right after step k of stage t (k = d's producer or a reader)
+  U[t,k]   >= 0     memory after step k of stage t, frees included
+Adaptations to our graph (multi-output nodes, data nodes, workspace):
+  - S is per data node, not per compute node, so outputs of one node are kept independently;
+  - a step's peak is U[t,k-1] + R[t,k] * (outputs + workspace) <= budget;
+  - F only needs upper bounds (F <= R[t,k], F <= 1 - S[t+1,d], F <= 1 - R[t,j] for each later
+    reader j): freeing only lowers memory, so the solver sets F as high as allowed, and with
+    R, S integral those bounds are 0 or 1. F is continuous, which halves the binaries;
+  - recomputing a node while one of its outputs is kept is forbidden (S[t,d] + R[t,p(d)] <= 1):
+    it costs time and double-counts memory, so no optimal schedule does it;
+  - forward outputs must be alive at the end of stage nf-1 (not freed there) but need not be
+    kept into stage nf; the boundary itself (end of forward + tangents) is a peak candidate;
+  - backward outputs are S[n,d] = 1 and never freed in the last stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import highspy
+import numpy as np
+
+from rkgraph.graph import RematGraph
+from solvers.schedule import Schedule
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class MilpResult:
+    status: str  # HiGHS model status, e.g. "Optimal", "Time limit reached", "Infeasible"
+    stages: list[list[int]] | None  # node indices computed per stage, None if no incumbent
+    objective: float | None  # objective of the incumbent (time, or peak units)
+    dual_bound: float | None  # proven lower bound on the objective
+    gap: float | None
+    binaries: int
+
+
+class _Builder:
+    """Columns and rows accumulated as flat arrays (COO), handed to HiGHS in one passModel."""
+
+    def __init__(self) -> None:
+        self.lower: list[float] = []
+        self.upper: list[float] = []
+        self.cost: list[float] = []
+        self.integer: list[bool] = []
+        self.row_lower: list[float] = []
+        self.row_upper: list[float] = []
+        self.coo_row: list[int] = []
+        self.coo_col: list[int] = []
+        self.coo_val: list[float] = []
+
+    def var(self, lower: float, upper: float, cost: float = 0.0, integer: bool = False) -> int:
+        self.lower.append(lower)
+        self.upper.append(upper)
+        self.cost.append(cost)
+        self.integer.append(integer)
+        return len(self.lower) - 1
+
+    def row(self, cols: Sequence[int], vals: Sequence[float], lower: float, upper: float) -> None:
+        r = len(self.row_lower)
+        self.row_lower.append(lower)
+        self.row_upper.append(upper)
+        self.coo_row.extend([r] * len(cols))
+        self.coo_col.extend(cols)
+        self.coo_val.extend(vals)
+
+    def highs(self) -> highspy.Highs:
+        lp = highspy.HighsLp()
+        lp.num_col_ = len(self.lower)
+        lp.num_row_ = len(self.row_lower)
+        lp.col_cost_ = np.array(self.cost, dtype=np.float64)
+        lp.col_lower_ = np.array(self.lower, dtype=np.float64)
+        lp.col_upper_ = np.array(self.upper, dtype=np.float64)
+        lp.row_lower_ = np.array(self.row_lower, dtype=np.float64)
+        lp.row_upper_ = np.array(self.row_upper, dtype=np.float64)
+        cols = np.array(self.coo_col, dtype=np.int64)
+        order = np.argsort(cols, kind="stable")
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+        lp.a_matrix_.start_ = np.searchsorted(cols[order], np.arange(lp.num_col_ + 1)).astype(np.int32)
+        lp.a_matrix_.index_ = np.array(self.coo_row, dtype=np.int32)[order]
+        lp.a_matrix_.value_ = np.array(self.coo_val, dtype=np.float64)[order]
+        lp.a_matrix_.num_col_ = lp.num_col_
+        lp.a_matrix_.num_row_ = lp.num_row_
+        lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
+                           for i in self.integer]
+        h = highspy.Highs()
+        h.setOptionValue("output_flag", False)
+        h.passModel(lp)
+        return h
+
+
+class CheckmateMilp:
+    """The model for one graph and one memory unit. `budget_units=None` minimises the peak
+    instead of the time (used to find the smallest feasible budget)."""
+
+    def __init__(self, graph: RematGraph, unit: int, budget_units: int | None) -> None:
+        self.graph = graph
+        self.unit = unit
+        n = len(graph.nodes)
+        nf = len(graph.forward_nodes)
+        self.n, self.nf = n, nf
+        b = _Builder()
+        size = {d: math.ceil(dn.size / unit) for d, dn in graph.data.items() if not graph.is_source(d)}
+        producer = {d: graph.index[dn.producer] for d, dn in graph.data.items()
+                    if dn.producer is not None}
+        tangents = [d for d, dn in graph.data.items() if dn.kind == "tangent"]
+        readers: dict[str, list[int]] = {d: [] for d in size}
+        for k, node in enumerate(graph.nodes):
+            for d in dict.fromkeys(node.inputs):
+                if d in readers:
+                    readers[d].append(k)
+        forward_outputs = {d for d in graph.forward_outputs if d in size}
+        backward_outputs = {d for d in graph.backward_outputs if d in size}
+        useful = {d for d in size if readers[d] or d in forward_outputs or d in backward_outputs}
+
+        self.peak_var = None if budget_units is not None else b.var(0, math.inf, 1.0)
+        cap = math.inf if budget_units is None else float(budget_units)
+        time_cost = 1.0 if budget_units is not None else 0.0
+
+        # R[t, i]
+        self.R: dict[tuple[int, int], int] = {}
+        for t in range(n):
+            for i in range(t + 1):
+                node = graph.nodes[i]
+                if i == t:
+                    self.R[t, i] = b.var(1, 1, time_cost * node.time, True)
+                elif not node.random:
+                    self.R[t, i] = b.var(0, 1, time_cost * node.time, True)
+        # S[t, d], t = 1..n; tangents from nf
+        self.S: dict[tuple[int, str], int] = {}
+        for t in range(1, n + 1):
+            for d in useful:
+                if d in producer and producer[d] < t and (t < n or d in backward_outputs):
+                    fixed = t == n
+                    self.S[t, d] = b.var(1 if fixed else 0, 1, 0.0, True)
+        for d in tangents:
+            for t in range(nf, n + 1):
+                if t < n or d in backward_outputs:
+                    fixed = t == nf or t == n
+                    self.S[t, d] = b.var(1 if fixed else 0, 1, 0.0, True)
+        self.binaries = len(self.R) + len(self.S)
+
+        for t in range(n):
+            # Dependencies: a node runs only if each input is kept or made earlier in the stage.
+            for i in range(t + 1):
+                if (t, i) not in self.R:
+                    continue
+                for d in dict.fromkeys(graph.nodes[i].inputs):
+                    if d not in size:
+                        continue
+                    cols, vals = [self.R[t, i]], [1.0]
+                    for c in (self.S.get((t, d)), self.R.get((t, producer.get(d, -1)))):
+                        if c is not None:
+                            cols.append(c)
+                            vals.append(-1.0)
+                    b.row(cols, vals, -math.inf, 0.0)
+            # Keeping d into stage t+1 needs d alive in stage t; never recompute what is kept.
+            for d in size:
+                made = self.R.get((t, producer[d])) if d in producer else None
+                kept = self.S.get((t, d))
+                if (t + 1, d) in self.S and not (d in tangents and t + 1 == nf):
+                    cols, vals = [self.S[t + 1, d]], [1.0]
+                    for c in (made, kept):
+                        if c is not None:
+                            cols.append(c)
+                            vals.append(-1.0)
+                    b.row(cols, vals, -math.inf, 0.0)
+                if made is not None and kept is not None:
+                    b.row([made, kept], [1.0, 1.0], -math.inf, 1.0)
+                if t == nf - 1 and d in forward_outputs:  # alive at the end of the forward phase
+                    present = [c for c in (made, kept) if c is not None]
+                    b.row(present, [1.0] * len(present), 1.0, math.inf)
+
+        # Frees and memory, stage by stage.
+        self.U: dict[tuple[int, int], int] = {}
+        for t in range(n):
+            frees_at: dict[int, list[tuple[int, int]]] = {}  # step k -> [(F column, size)]
+            for d in size:
+                if (t == n - 1 and d in backward_outputs) or (t == nf - 1 and d in forward_outputs):
+                    continue  # required alive at the end of this stage
+                steps = [k for k in readers[d] if k <= t and (t, k) in self.R]
+                if d in producer and (t, producer[d]) in self.R:
+                    steps.insert(0, producer[d])
+                for k in steps:
+                    f = b.var(0, 1)
+                    frees_at.setdefault(k, []).append((f, size[d]))
+                    b.row([f, self.R[t, k]], [1.0, -1.0], -math.inf, 0.0)
+                    if (t + 1, d) in self.S:
+                        b.row([f, self.S[t + 1, d]], [1.0, 1.0], -math.inf, 1.0)
+                    for j in readers[d]:
+                        if k < j <= t and (t, j) in self.R:
+                            b.row([f, self.R[t, j]], [1.0, 1.0], -math.inf, 1.0)
+            start_cols = [self.S[t, d] for d in size if (t, d) in self.S]
+            start_vals = [float(size[d]) for d in size if (t, d) in self.S]
+            prev: int | None = None
+            for k in range(t + 1):
+                if (t, k) not in self.R:
+                    continue
+                node = graph.nodes[k]
+                out = float(sum(size[d] for d in node.outputs))
+                step = out + math.ceil(node.workspace / unit)
+                base_cols, base_vals = ([prev], [1.0]) if prev is not None else (start_cols, start_vals)
+                # Peak during step k.
+                cols = [*base_cols, self.R[t, k]]
+                vals = [*base_vals, step]
+                if self.peak_var is not None:
+                    b.row([*cols, self.peak_var], [*vals, -1.0], -math.inf, 0.0)
+                else:
+                    b.row(cols, vals, -math.inf, cap)
+                # Memory after step k and its frees.
+                u = b.var(0, math.inf)
+                frees = frees_at.get(k, [])
+                b.row([u, *base_cols, self.R[t, k], *(f for f, _ in frees)],
+                      [1.0, *(-v for v in base_vals), -out, *(float(s) for _, s in frees)], 0.0, 0.0)
+                self.U[t, k] = u
+                prev = u
+            if t == nf - 1 and tangents and prev is not None:
+                # Phase boundary: what the forward leaves alive plus the tangents.
+                extra = float(sum(size[d] for d in tangents))
+                if self.peak_var is not None:
+                    b.row([prev, self.peak_var], [1.0, -1.0], -math.inf, -extra)
+                else:
+                    b.row([prev], [1.0], -math.inf, cap - extra)
+        self.size = size
+        self.highs = b.highs()
+        self.col_lower = b.lower
+
+    def warm_start(self, stages: list[list[int]], alive_at_stage_start: list[set[str]]) -> bool:
+        """Hand HiGHS a starting point: R and S of a known schedule (HiGHS completes F and U
+        with an LP). Returns whether HiGHS accepted it."""
+        index, value = [], []
+        chosen = {(t, i) for t, stage in enumerate(stages) for i in stage}
+        for key, col in self.R.items():
+            index.append(col)
+            value.append(1.0 if key in chosen else 0.0)
+        for (t, d), col in self.S.items():
+            index.append(col)
+            value.append(max(self.col_lower[col], 1.0 if d in alive_at_stage_start[t] else 0.0))
+        status = self.highs.setSolution(len(index), np.array(index, dtype=np.int32),
+                                        np.array(value, dtype=np.float64))
+        return status == highspy.HighsStatus.kOk
+
+    def solve(self, time_limit: float, mip_rel_gap: float) -> MilpResult:
+        h = self.highs
+        h.setOptionValue("time_limit", float(time_limit))
+        h.setOptionValue("mip_rel_gap", float(mip_rel_gap))
+        h.setOptionValue("random_seed", 0)
+        h.run()
+        status = h.modelStatusToString(h.getModelStatus())
+        info = h.getInfo()
+        if info.primal_solution_status != 2:  # 2 = feasible
+            log.info("MILP: %s without incumbent", status)
+            return MilpResult(status, None, None, _finite(info.mip_dual_bound), None, self.binaries)
+        x = np.asarray(h.getSolution().col_value)
+        stages: list[list[int]] = [[] for _ in range(self.n)]
+        for (t, i), col in sorted(self.R.items()):
+            if x[col] > 0.5:
+                stages[t].append(i)
+        return MilpResult(status, stages, info.objective_function_value, _finite(info.mip_dual_bound),
+                          info.mip_gap, self.binaries)
+
+
+def _finite(v: float) -> float | None:
+    return v if math.isfinite(v) else None
+
+
+def stages_of(graph: RematGraph, computes: Sequence[str]) -> list[list[int]] | None:
+    """Split a compute sequence into frontier-advancing stages, or None when it is not one
+    (a node first computed out of graph order, or recomputations not in index order)."""
+    stages: list[list[int]] = []
+    current: list[int] = []
+    for name in computes:
+        i = graph.index[name]
+        if i == len(stages):
+            stages.append([*current, i])
+            current = []
+        elif i < len(stages) and (not current or current[-1] < i) and not graph.nodes[i].random:
+            current.append(i)
+        else:
+            return None
+    return stages if len(stages) == len(graph.nodes) and not current else None
+
+
+def alive_at_stage_starts(graph: RematGraph, schedule: Schedule, stages: list[list[int]]) -> list[set[str]]:
+    """Non-source data alive before the first op of each stage (and at the end), for S."""
+    starts = set(np.cumsum([0] + [len(s) for s in stages[:-1]]).tolist())
+    alive: set[str] = set()
+    result: list[set[str]] = []
+    computed = 0
+    for i, op in enumerate(schedule.ops):
+        if i == schedule.forward_length:
+            alive |= {d for d, dn in graph.data.items() if dn.kind == "tangent"}
+        if op.kind == "compute":
+            if computed in starts:
+                result.append(set(alive))
+            computed += 1
+            alive |= {d for d in graph.node(op.name).outputs if not graph.is_source(d)}
+        else:
+            alive.discard(op.name)
+    result.append(alive)
+    return result
