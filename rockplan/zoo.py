@@ -1,0 +1,437 @@
+"""Small models with realistic structure, for tests, examples and benchmarks.
+
+Every entry is a factory ``factory(size="tiny", **options) -> ZooEntry``; a ``ZooEntry`` unpacks
+as ``model, args, kwargs, loss_fn`` where ``loss_fn(model(*args, **kwargs), *args)`` is a scalar.
+Targets the loss needs (class labels, segmentation masks) are drawn when the entry is built and
+held by ``loss_fn``, so any caller can train any entry the same way::
+
+    model, args, kwargs, loss_fn = make("resnet")
+    loss_fn(model(*args, **kwargs), *args).backward()
+
+``size="tiny"`` runs a training step in milliseconds on CPU (tests); ``size="default"`` is
+large enough for memory savings to matter and still runs on CPU (examples, benchmarks).
+
+The entries cover what a rematerialization planner must handle: in-place ops and BatchNorm buffer
+updates (``resnet``), long skip connections that stay alive across the whole network (``unet``),
+random ops that must be replayed identically (dropout in ``gpt`` and ``hf_gpt2``), tied weights
+(``gpt``, ``hf_gpt2``), keyword and non-tensor arguments with dict outputs (``multi_output``), and a
+third-party model (``hf_gpt2``, registered only when ``transformers`` is importable).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["ZOO", "Size", "ZooEntry", "gpt", "hf_gpt2", "make", "mlp", "multi_output", "resnet", "unet"]
+
+Size = Literal["tiny", "default"]
+
+
+class ZooEntry(NamedTuple):
+    model: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    loss_fn: Callable[..., Tensor]  # loss_fn(output, *args) -> scalar
+
+
+def _pick(size: Size, tiny: dict[str, Any], default: dict[str, Any]) -> dict[str, Any]:
+    if size == "tiny":
+        return tiny
+    if size == "default":
+        return default
+    raise ValueError(f"unknown size {size!r}: expected 'tiny' or 'default'")
+
+
+# --- mlp -------------------------------------------------------------------------------------
+
+
+def mlp(size: Size = "tiny") -> ZooEntry:
+    """Linear+GELU layers, a classifier head; cross-entropy on fixed random labels."""
+    cfg = _pick(
+        size,
+        tiny={"batch": 8, "widths": (32, 64, 64, 10)},
+        default={"batch": 256, "widths": (1024, 2048, 2048, 2048, 2048, 100)},
+    )
+    widths = cfg["widths"]
+    layers: list[nn.Module] = []
+    for i, (width_in, width_out) in enumerate(zip(widths[:-1], widths[1:])):
+        layers.append(nn.Linear(width_in, width_out))
+        if i < len(widths) - 2:  # no activation after the classifier
+            layers.append(nn.GELU())
+    x = torch.randn(cfg["batch"], widths[0])
+    labels = torch.randint(0, widths[-1], (cfg["batch"],))
+
+    def loss_fn(logits: Tensor, *_args: Any) -> Tensor:
+        return F.cross_entropy(logits, labels)
+
+    return ZooEntry(nn.Sequential(*layers), (x,), {}, loss_fn)
+
+
+# --- resnet ----------------------------------------------------------------------------------
+
+
+class BasicBlock(nn.Module):
+    """ResNet basic block, written like torchvision's: in-place ReLU and in-place residual add."""
+
+    def __init__(self, channels_in: int, channels_out: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels_in, channels_out, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels_out)
+        self.conv2 = nn.Conv2d(channels_out, channels_out, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels_out)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample: nn.Module = nn.Identity()
+        if stride != 1 or channels_in != channels_out:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(channels_in, channels_out, 1, stride=stride, bias=False),
+                nn.BatchNorm2d(channels_out),
+            )
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += self.downsample(x)  # safe in place: BatchNorm's backward needs its input, not output
+        return self.relu(out)
+
+
+class ResNet(nn.Module):
+    def __init__(self, widths: tuple[int, ...], blocks_per_stage: int, num_classes: int) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, widths[0], 3, padding=1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU(inplace=True)
+        )
+        stages: list[nn.Module] = []
+        channels = widths[0]
+        for i, width in enumerate(widths):
+            blocks = [BasicBlock(channels, width, stride=1 if i == 0 else 2)]
+            blocks += [BasicBlock(width, width, stride=1) for _ in range(blocks_per_stage - 1)]
+            stages.append(nn.Sequential(*blocks))
+            channels = width
+        self.stages = nn.Sequential(*stages)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.head = nn.Linear(channels, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.flatten(self.pool(self.stages(self.stem(x))), 1))
+
+
+def resnet(size: Size = "tiny") -> ZooEntry:
+    """ResNet-style CNN on random images; cross-entropy on fixed random labels."""
+    cfg = _pick(
+        size,
+        tiny={"batch": 2, "image": 16, "widths": (8, 16), "blocks": 1, "classes": 10},
+        default={"batch": 16, "image": 64, "widths": (32, 64, 128, 256), "blocks": 2, "classes": 100},
+    )
+    model = ResNet(cfg["widths"], cfg["blocks"], cfg["classes"])
+    x = torch.randn(cfg["batch"], 3, cfg["image"], cfg["image"])
+    labels = torch.randint(0, cfg["classes"], (cfg["batch"],))
+
+    def loss_fn(logits: Tensor, *_args: Any) -> Tensor:
+        return F.cross_entropy(logits, labels)
+
+    return ZooEntry(model, (x,), {}, loss_fn)
+
+
+# --- gpt -------------------------------------------------------------------------------------
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.dropout = dropout
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, seq, n_embd = x.shape
+        q, k, v = self.c_attn(x).split(n_embd, dim=2)
+        q, k, v = (t.view(batch, seq, self.n_head, n_embd // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).contiguous().view(batch, seq, n_embd)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.mlp = nn.Sequential(
+            nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd), nn.Dropout(dropout)
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """A GPT-2-style decoder (after nanoGPT); module paths read like HF's: ``transformer.h.0.attn``."""
+
+    def __init__(
+        self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, dropout: float
+    ) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(vocab_size, n_embd),
+                "wpe": nn.Embedding(block_size, n_embd),
+                "drop": nn.Dropout(dropout),
+                "h": nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer)),
+                "ln_f": nn.LayerNorm(n_embd),
+            }
+        )
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.lm_head.weight = self.transformer["wte"].weight  # tied, as in GPT-2
+        # GPT-2's initialisation; PyTorch's default N(0, 1) embeddings give huge initial logits.
+        for name, parameter in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(parameter, std=0.02 / math.sqrt(2 * n_layer))
+            elif parameter.dim() == 2:
+                nn.init.normal_(parameter, std=0.02)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.transformer["drop"](self.transformer["wte"](idx) + self.transformer["wpe"](positions))
+        for block in self.transformer["h"]:
+            x = block(x)
+        return self.lm_head(self.transformer["ln_f"](x))
+
+
+def _next_token_loss(logits: Tensor, idx: Tensor, *_args: Any) -> Tensor:
+    """Cross-entropy of predicting token t+1 from the logits at t."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
+
+
+def gpt(size: Size = "tiny") -> ZooEntry:
+    """GPT-style decoder with dropout 0.1 and tied embeddings, on random token ids."""
+    cfg = _pick(
+        size,
+        tiny={"batch": 2, "seq": 16, "vocab_size": 128, "n_layer": 2, "n_head": 2, "n_embd": 32},
+        default={"batch": 4, "seq": 256, "vocab_size": 8192, "n_layer": 6, "n_head": 6, "n_embd": 384},
+    )
+    model = GPT(cfg["vocab_size"], cfg["seq"], cfg["n_layer"], cfg["n_head"], cfg["n_embd"], dropout=0.1)
+    idx = torch.randint(0, cfg["vocab_size"], (cfg["batch"], cfg["seq"]))
+    return ZooEntry(model, (idx,), {}, _next_token_loss)
+
+
+# --- unet ------------------------------------------------------------------------------------
+
+
+def _double_conv(channels_in: int, channels_out: int) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(channels_in, channels_out, 3, padding=1, bias=False),
+        nn.BatchNorm2d(channels_out),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(channels_out, channels_out, 3, padding=1, bias=False),
+        nn.BatchNorm2d(channels_out),
+        nn.ReLU(inplace=True),
+    )
+
+
+class Up(nn.Module):
+    """Upsample (learned ConvTranspose, or bilinear then 1x1 conv), concat the skip, convolve."""
+
+    def __init__(self, channels_in: int, channels_out: int, transpose: bool) -> None:
+        super().__init__()
+        self.up: nn.Module
+        if transpose:
+            self.up = nn.ConvTranspose2d(channels_in, channels_out, 2, stride=2)
+        else:
+            self.up = nn.Sequential(
+                nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False),
+                nn.Conv2d(channels_in, channels_out, 1),
+            )
+        self.conv = _double_conv(2 * channels_out, channels_out)
+
+    def forward(self, x: Tensor, skip: Tensor) -> Tensor:
+        return self.conv(torch.cat([self.up(x), skip], dim=1))
+
+
+class UNet(nn.Module):
+    def __init__(self, channels_in: int, num_classes: int, widths: tuple[int, ...]) -> None:
+        super().__init__()
+        self.down = nn.ModuleList()
+        channels = channels_in
+        for width in widths[:-1]:
+            self.down.append(_double_conv(channels, width))
+            channels = width
+        self.pool = nn.MaxPool2d(2)
+        self.bottleneck = _double_conv(channels, widths[-1])
+        # Both upsampling styles appear: ConvTranspose on the deep levels, bilinear on the last.
+        levels = list(zip(widths[::-1][:-1], widths[::-1][1:]))
+        self.up = nn.ModuleList(
+            Up(wide, narrow, transpose=i < len(levels) - 1) for i, (wide, narrow) in enumerate(levels)
+        )
+        self.head = nn.Conv2d(widths[0], num_classes, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        skips = []  # long skip connections: each lives from its down level to its up level
+        for down in self.down:
+            x = down(x)
+            skips.append(x)
+            x = self.pool(x)
+        x = self.bottleneck(x)
+        for up, skip in zip(self.up, reversed(skips)):
+            x = up(x, skip)
+        return self.head(x)
+
+
+def unet(size: Size = "tiny") -> ZooEntry:
+    """UNet for segmentation of random images; per-pixel cross-entropy on a fixed random mask."""
+    cfg = _pick(
+        size,
+        tiny={"batch": 2, "image": 16, "widths": (8, 16, 32), "classes": 3},
+        default={"batch": 4, "image": 128, "widths": (16, 32, 64, 128, 256), "classes": 5},
+    )
+    model = UNet(3, cfg["classes"], cfg["widths"])
+    x = torch.randn(cfg["batch"], 3, cfg["image"], cfg["image"])
+    target = torch.randint(0, cfg["classes"], (cfg["batch"], cfg["image"], cfg["image"]))
+
+    def loss_fn(logits: Tensor, *_args: Any) -> Tensor:
+        return F.cross_entropy(logits, target)
+
+    return ZooEntry(model, (x,), {}, loss_fn)
+
+
+# --- multi_output ----------------------------------------------------------------------------
+
+
+class MultiHead(nn.Module):
+    """A shared encoder with three outputs, a keyword-only tensor mask and a float scale."""
+
+    def __init__(self, features_in: int, hidden: int, num_classes: int) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(features_in, hidden), nn.GELU(), nn.Linear(hidden, hidden))
+        self.classifier = nn.Linear(hidden, num_classes)
+        self.regressor = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+
+    def forward(self, x: Tensor, *, mask: Tensor | None = None, scale: float = 1.0) -> dict[str, Tensor]:
+        features = self.encoder(x)
+        if mask is not None:
+            features = features * mask.unsqueeze(-1)
+        return {
+            "logits": self.classifier(features) * scale,
+            "regression": self.regressor(features).squeeze(-1),
+            "features": features,
+        }
+
+
+def multi_output(size: Size = "tiny") -> ZooEntry:
+    """Dict of outputs from keyword arguments; the loss mixes classification, regression, L2."""
+    cfg = _pick(
+        size,
+        tiny={"batch": 8, "features": 16, "hidden": 32, "classes": 5},
+        default={"batch": 512, "features": 512, "hidden": 2048, "classes": 100},
+    )
+    model = MultiHead(cfg["features"], cfg["hidden"], cfg["classes"])
+    x = torch.randn(cfg["batch"], cfg["features"])
+    mask = (torch.rand(cfg["batch"]) > 0.25).float()  # drop about a quarter of the samples
+    labels = torch.randint(0, cfg["classes"], (cfg["batch"],))
+    values = torch.randn(cfg["batch"])
+
+    def loss_fn(output: dict[str, Tensor], *_args: Any) -> Tensor:
+        return (
+            F.cross_entropy(output["logits"], labels)
+            + F.mse_loss(output["regression"], values)
+            + 1e-3 * output["features"].pow(2).mean()
+        )
+
+    return ZooEntry(model, (x,), {"mask": mask, "scale": 0.5}, loss_fn)
+
+
+# --- hf_gpt2 ---------------------------------------------------------------------------------
+
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
+
+@functools.cache
+def _gpt2_logits_class() -> type[nn.Module]:
+    """``GPT2LMHeadModel`` returning a plain logits tensor, built once transformers is imported.
+
+    Subclassing (rather than wrapping) keeps HF's module paths: ``transformer.h.0.attn``.
+    """
+    from transformers import GPT2LMHeadModel
+
+    class GPT2Logits(GPT2LMHeadModel):
+        def forward(self, input_ids: Tensor) -> Tensor:  # type: ignore[override]
+            # An explicit 4-D causal mask, built from shapes only. With no mask, HF checks
+            # whether the position ids describe packed sequences (``(mask[:, -1] == 0).all()``
+            # in masking_utils), and with a 2-D padding mask the sdpa path checks whether the
+            # mask can be dropped: both read tensor values in Python, which AOTAutograd cannot
+            # trace (DataDependentOutputException on aten._local_scalar_dense). A 4-D mask is
+            # used as given. It is additive (0 or the dtype's minimum) because the eager
+            # attention adds it to the scores; a boolean mask would only suit sdpa.
+            batch, seq = input_ids.shape
+            future = torch.ones(seq, seq, dtype=torch.bool, device=input_ids.device).triu(1)
+            additive = torch.zeros(seq, seq, dtype=self.dtype, device=input_ids.device)
+            mask = additive.masked_fill(future, torch.finfo(self.dtype).min).expand(batch, 1, seq, seq)
+            output = super().forward(input_ids, attention_mask=mask, use_cache=False, return_dict=False)
+            return output[0]
+
+    return GPT2Logits
+
+
+def hf_gpt2(size: Size = "tiny", n_layer: int | None = None, attn_implementation: str = "sdpa") -> ZooEntry:
+    """Hugging Face GPT-2 with random weights (HF's default dropout 0.1); next-token loss.
+
+    Needs ``transformers``; ``n_layer`` overrides the size's depth.
+    """
+    from transformers import GPT2Config
+
+    cfg = _pick(
+        size,
+        tiny={"batch": 2, "seq": 16, "vocab_size": 128, "n_layer": 2, "n_head": 2, "n_embd": 32},
+        default={"batch": 4, "seq": 256, "vocab_size": 8192, "n_layer": 6, "n_head": 6, "n_embd": 384},
+    )
+    config = GPT2Config(
+        vocab_size=cfg["vocab_size"],
+        n_positions=cfg["seq"],
+        n_embd=cfg["n_embd"],
+        n_layer=n_layer if n_layer is not None else cfg["n_layer"],
+        n_head=cfg["n_head"],
+        # GPT-2's special token 50256 lies outside a small vocabulary; HF warns about it.
+        bos_token_id=cfg["vocab_size"] - 1,
+        eos_token_id=cfg["vocab_size"] - 1,
+        use_cache=False,
+        attn_implementation=attn_implementation,
+    )
+    model = _gpt2_logits_class()(config)
+    idx = torch.randint(0, cfg["vocab_size"], (cfg["batch"], cfg["seq"]))
+    return ZooEntry(model, (idx,), {}, _next_token_loss)
+
+
+# --- registry --------------------------------------------------------------------------------
+
+ZOO: dict[str, Callable[..., ZooEntry]] = {
+    "mlp": mlp,
+    "resnet": resnet,
+    "gpt": gpt,
+    "unet": unet,
+    "multi_output": multi_output,
+}
+if HAS_TRANSFORMERS:
+    ZOO["hf_gpt2"] = hf_gpt2
+
+
+def make(name: str, size: Size = "tiny", seed: int = 0, **options: Any) -> ZooEntry:
+    """Build zoo entry ``name`` with weights, inputs and targets drawn from ``seed``.
+
+    The caller's global RNG state is left as it was; ``options`` go to the factory.
+    """
+    if name not in ZOO:
+        raise KeyError(f"unknown zoo model {name!r}; available: {', '.join(ZOO)}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return ZOO[name](size, **options)
