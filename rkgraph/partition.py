@@ -2,7 +2,9 @@
 
 A cut after forward node i is a point where exactly one activation produced at or before i is
 read by a forward node after it: every path of the forward passes through that tensor, as
-between two transformer layers or two ResNet stages. Backward uses do not break the chain.
+between two transformer layers or two ResNet stages. Backward uses do not break the chain,
+and neither do tensors that do not depend on the model's inputs (an attention mask built from
+shapes, a position embedding): every block may read those, as it reads parameters.
 """
 
 from __future__ import annotations
@@ -21,14 +23,24 @@ def cut_points(graph: RematGraph) -> list[int]:
         for d in node.inputs:
             if graph.data[d].producer in position:
                 last_forward_use[d] = i
+    constant = input_independent(graph)
     crossing: set[str] = set()
     cuts = []
     for i, node in enumerate(forward[:-1]):
-        crossing.update(d for d in node.outputs if last_forward_use.get(d, -1) > i)
+        crossing.update(d for d in node.outputs if last_forward_use.get(d, -1) > i and d not in constant)
         crossing = {d for d in crossing if last_forward_use[d] > i}
         if len(crossing) == 1:
             cuts.append(i)
     return cuts
+
+
+def input_independent(graph: RematGraph) -> set[str]:
+    """Activations computed from parameters, buffers and constants only."""
+    constant: set[str] = set()
+    for node in graph.forward_nodes:
+        if all(graph.data[d].kind in ("param", "buffer") or d in constant for d in node.inputs):
+            constant.update(node.outputs)
+    return constant
 
 
 def _signature(graph: RematGraph, block: list[str]) -> str:
