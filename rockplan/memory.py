@@ -54,6 +54,10 @@ __all__ = ["MemoryTracker", "Method", "StepMemory", "measure_step"]
 Method = Literal["auto", "allocator", "storages"]
 R = TypeVar("R")
 
+# ``torch.tensor(...)`` builds its tensor outside the dispatcher, then passes it through this op:
+# its storage is new even though it arrives as an argument.
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default
+
 
 @dataclass(frozen=True)
 class StepMemory(Generic[R]):
@@ -113,9 +117,7 @@ class _LiveStorages(TorchDispatchMode):
         # the call. Only mutable schemas can do that, which keeps the common path cheap.
         sizes_before = {key: s.nbytes() for key, s in inputs.items()} if func._schema.is_mutable else {}
         out = func(*args, **kwargs)
-        # lift_fresh receives a tensor that ``torch.tensor(...)`` just built outside the
-        # dispatcher: its storage is new even though it arrives as an argument.
-        fresh = func is torch.ops.aten.lift_fresh.default
+        fresh = func is _LIFT_FRESH
         for key, storage in _storages(tree_leaves(out)).items():
             # An output sharing an input's storage (a view, an in-place result) is not new.
             if fresh or key not in inputs:
