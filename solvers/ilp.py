@@ -84,7 +84,7 @@ def solve_ilp(graph: RematGraph, budget: int, time_limit: float = 60, mip_rel_ga
         known = min(s.predicted_peak for s in candidates)
         raise InfeasibleBudget(
             f"no schedule found within {budget} bytes ({format_bytes(budget)}; MILP: {result.status}); "
-            f"the smallest known feasible budget is {known} bytes ({format_bytes(known)}), "
+            f"the smallest feasible budget found is {known} bytes ({format_bytes(known)}), "
             f"no schedule exists below {floor} bytes ({format_bytes(floor)})")
     schedule = Schedule(best.ops, best.forward_length, solver="ilp", budget=budget,
                         predicted_peak=best.predicted_peak, predicted_time=best.predicted_time)

@@ -151,30 +151,31 @@ class _Liveness:
 
 def _drop_dead(graph: RematGraph, computes: list[str], forward_count: int,
                keep: frozenset[str]) -> tuple[list[str], int]:
-    """Remove computations none of whose outputs is ever read or required before being recomputed.
+    """Remove computations none of whose outputs is read or required before being recomputed.
 
     Solvers (the ILP especially, when a node costs nothing) may schedule useless work; removing
-    it can only lower time and memory, so it is done here once for all of them.
+    it can only lower time and memory, so it is done here once for all of them. One backward
+    sweep suffices: a compute's readers all come after it, so they are settled first.
     """
     fwd_out = set(graph.forward_outputs)
-    while True:
-        live = _Liveness(graph, computes)
-        dead: set[int] = set()
-        for p, name in enumerate(computes):
-            used = False
-            for d in graph.node(name).outputs:
-                nxt = live.next_def(d, p)
-                if (live.last_read(d, p + 1, nxt) is not None
-                        or (d in fwd_out and p < forward_count <= nxt)
-                        or (d in keep and nxt == len(computes))):
-                    used = True
-                    break
-            if not used:
-                dead.add(p)
-        if not dead:
-            return computes, forward_count
-        forward_count -= sum(1 for p in dead if p < forward_count)
-        computes = [c for p, c in enumerate(computes) if p not in dead]
+    m = len(computes)
+    pending_reads: dict[str, int] = defaultdict(int)  # reads by kept ops before the next kept def
+    next_def: dict[str, int] = {}  # position of the next kept computation of each data
+    kept = [False] * m
+    for p in reversed(range(m)):
+        node = graph.node(computes[p])
+        kept[p] = any(pending_reads[d] > 0
+                      or (d in fwd_out and p < forward_count <= next_def.get(d, m))
+                      or (d in keep and d not in next_def)
+                      for d in node.outputs)
+        if kept[p]:
+            for d in node.outputs:
+                pending_reads[d] = 0
+                next_def[d] = p
+            for d in dict.fromkeys(node.inputs):
+                pending_reads[d] += 1
+    forward_count = sum(kept[:forward_count])
+    return [c for p, c in enumerate(computes) if kept[p]], forward_count
 
 
 def free_at_last_use(graph: RematGraph, computes: Sequence[str], forward_count: int,

@@ -18,13 +18,17 @@ def training_graph(sizes: list[int], times: list[float] | None = None, *,
                    skips: list[tuple[int, int]] = (), saves_output: list[bool] | None = None,
                    workspaces: list[int] | None = None, random_nodes: frozenset[int] = frozenset(),
                    grad_sizes: list[int] | None = None, param_grad_size: int = 1,
-                   block_size: int = 0, name: str = "") -> RematGraph:
+                   block_size: int = 0, frozen: int = 0, name: str = "") -> RematGraph:
     """Forward node i (0-based) reads the previous output (or the input for i = 0) plus the
     outputs of nodes j for each skip (j, i), and its parameter w{i}; writes x{i} of sizes[i].
     Backward node b{i} reads the gradient of x{i}, x{i}'s inputs and, if saves_output[i], x{i};
     writes one gradient per activation input (size grad_sizes[i], default the input's size)
-    and gw{i}. `block_size` > 0 groups consecutive forward nodes into graph.blocks."""
+    and gw{i}. The first `frozen` nodes have no trainable parameter: like autograd, no gradient
+    flows to their outputs and they get no backward node.
+    `block_size` > 0 groups consecutive forward nodes into graph.blocks."""
     n = len(sizes)
+    if not 0 <= frozen < n:
+        raise ValueError(f"frozen must be in 0..{n - 1}")
     times = times or [1.0] * n
     saves_output = saves_output or [False] * n
     workspaces = workspaces or [0] * n
@@ -45,13 +49,13 @@ def training_graph(sizes: list[int], times: list[float] | None = None, *,
     # grads[x] lists the gradient contributions to x, one per reader of x.
     grads: dict[str, list[str]] = {f"x{n - 1}": ["tangent"]}
     backward_outputs: list[str] = []
-    for i in reversed(range(n)):
+    for i in reversed(range(frozen, n)):
         reads = [*grads[f"x{i}"], *(d for d in inputs_of[i] if d != "input")]
         if saves_output[i]:
             reads.append(f"x{i}")
         outs = []
         for d in inputs_of[i]:
-            if d == "input":
+            if d == "input" or int(d[1:]) < frozen:
                 continue
             g = f"g{i}.{d}"
             size = grad_sizes[i] if grad_sizes else data[d].size

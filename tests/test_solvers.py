@@ -1,0 +1,243 @@
+"""Solvers and their referee, on hand-made graphs with known answers and on random graphs."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rkgraph.graph import RematGraph
+from solvers import (
+    SOLVERS,
+    InfeasibleBudget,
+    InvalidSchedule,
+    Op,
+    Schedule,
+    budget_bounds,
+    free_at_last_use,
+    min_feasible_budget,
+    simulate,
+    solve_checkpoint_blocks,
+    solve_ilp,
+    solve_sqrt_segments,
+    solve_store_all,
+)
+from solvers.simulate import schedule_from_computes
+from tests.graph_factories import chain_graph, random_training_graph, training_graph
+
+BASELINES = [solve_store_all, solve_checkpoint_blocks, solve_sqrt_segments]
+FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def computes(schedule: Schedule) -> list[str]:
+    return [op.name for op in schedule.ops if op.kind == "compute"]
+
+
+def brute_force_time(graph: RematGraph, budget: int) -> float | None:
+    """Best time over every frontier-advancing schedule (the ILP's search space): stage t runs
+    node t after any subset of the earlier non-random nodes, frees at last use."""
+    n, nf = len(graph.nodes), len(graph.forward_nodes)
+    slots = [(t, i) for t in range(n) for i in range(t) if not graph.nodes[i].random]
+    best = None
+    for picks in itertools.product((False, True), repeat=len(slots)):
+        chosen = {slot for slot, pick in zip(slots, picks) if pick}
+        stages = [[i for i in range(t) if (t, i) in chosen] + [t] for t in range(n)]
+        order = [graph.nodes[i].name for stage in stages for i in stage]
+        try:
+            s = schedule_from_computes(graph, order, sum(map(len, stages[:nf])), solver="brute", budget=budget)
+        except InvalidSchedule:
+            continue
+        best = s.predicted_time if best is None else min(best, s.predicted_time)
+    return best
+
+
+# --- hand-made graphs with known answers ------------------------------------------------------
+
+
+def test_store_all_on_chain_of_four() -> None:
+    graph = chain_graph(4)  # activations of 10 bytes, forward nodes 1 s, backward 2 s, param grads 1 B
+    s = solve_store_all(graph)
+    assert computes(s) == ["f0", "f1", "f2", "f3", "b3", "b2", "b1", "b0"]
+    assert s.forward_length == 4  # the loss x3 is freed as the backward starts, not before
+    # Boundary: x0..x3 + tangent = 50; b3 then frees x3 and makes g3.x2 (10) + gw3 (1): 51.
+    assert s.predicted_peak == 51 and s.predicted_time == 12
+    assert s.saved_for_backward(graph) == ["x0", "x1", "x2", "x3"]
+
+
+def test_ilp_recomputes_the_cheapest_node_on_chain_of_four() -> None:
+    graph = chain_graph(4)
+    assert solve_ilp(graph, 51, mip_rel_gap=0).predicted_time == 12  # store-all fits: nothing to redo
+    # At 41 the boundary (x0..x3 + tangent = 50) must shed one value: dropping x0 (recompute f0,
+    # 1 s, right before b1) gives boundary 40 and b3's step 41; one recomputation is the minimum.
+    s = solve_ilp(graph, 41, mip_rel_gap=0)
+    assert s.predicted_time == 13 and s.predicted_peak <= 41
+    assert simulate(graph, s).recompute_counts == {"f0": 1}
+    assert s.lower_bound == pytest.approx(13) and s.gap == pytest.approx(0)
+
+
+def test_infeasible_budget_states_the_minimum() -> None:
+    graph = chain_graph(4)
+    bounds = budget_bounds(graph)
+    assert bounds.lower == 31  # b3 alone: tangent + x2 + g3.x2 + gw3
+    assert min_feasible_budget(graph) == 33 and not bounds.exact  # param grads pile up to 33
+    with pytest.raises(InfeasibleBudget, match=r"smallest feasible budget 31 bytes \(31 B\)"):
+        solve_ilp(graph, 30)
+    assert solve_ilp(graph, 33).predicted_peak <= 33
+
+
+def test_checkpoint_blocks_recomputes_each_block_before_its_backward() -> None:
+    graph = training_graph([10] * 4, block_size=2)
+    s = solve_checkpoint_blocks(graph)
+    # Forward keeps block inputs only (x1 leaves block 0); x0 and x2 are dropped, x3 is the loss.
+    assert s.saved_for_backward(graph) == ["x1", "x3"]
+    assert computes(s) == ["f0", "f1", "f2", "f3", "f2", "b3", "b2", "f0", "b1", "b0"]
+    simulate(graph, s, s.predicted_peak)
+
+
+def test_sqrt_segments_uses_about_sqrt_n_segments() -> None:
+    graph = chain_graph(9)
+    s = solve_sqrt_segments(graph)
+    assert s.saved_for_backward(graph) == ["x2", "x5", "x8"]  # 3 segments of 3
+    assert s.predicted_peak < solve_store_all(graph).predicted_peak
+
+
+def test_random_nodes_are_never_recomputed() -> None:
+    graph = training_graph([10] * 4, random_nodes=frozenset({1}), block_size=4)
+    for solve in BASELINES:
+        assert "f1" not in simulate(graph, solve(graph)).recompute_counts
+    s = solve_ilp(graph, min_feasible_budget(graph))
+    assert "f1" not in simulate(graph, s).recompute_counts
+
+
+def test_ilp_equals_brute_force_on_a_five_node_graph() -> None:
+    graph = training_graph([6, 9, 4], [3.0, 1.0, 2.0], frozen=1, workspaces=[0, 5, 0])
+    assert len(graph.nodes) == 5
+    floor = budget_bounds(graph).lower
+    for budget in range(floor, solve_store_all(graph).predicted_peak + 1):
+        expected = brute_force_time(graph, budget)
+        if expected is None:
+            with pytest.raises(InfeasibleBudget):
+                solve_ilp(graph, budget, mip_rel_gap=0)
+        else:
+            assert solve_ilp(graph, budget, mip_rel_gap=0).predicted_time == expected, budget
+
+
+# --- the simulator rejects each kind of invalid schedule ---------------------------------------
+
+
+def _ops(*spec: str) -> list[Op]:
+    return [Op("compute", s[1:]) if s[0] == "+" else Op("free", s[1:]) for s in spec]
+
+
+FORWARD = ("+f0", "+f1")
+BACKWARD = ("+b1", "-x1", "-tangent", "+b0")
+
+
+@pytest.mark.parametrize(("forward", "backward", "message"), [
+    (("+f0", "-x0", "+f1"), BACKWARD, r"op 2 \(compute f1\): input x0 is not alive"),
+    (("+f0", "+b1"), (), r"op 1 \(compute b1\): backward node computed in the forward phase"),
+    (("+f0", "+f1", "-input"), BACKWARD, r"op 2 \(free input\): input is a source"),
+    (("+f0", "+f1", "-x0", "-x0"), BACKWARD, r"op 3 \(free x0\): x0 is not alive"),
+    (FORWARD, ("+nope",), r"op 2 \(compute nope\): unknown compute node nope"),
+    (FORWARD, ("-ghost",), r"op 2 \(free ghost\): unknown data node ghost"),
+    (("+f0", "+f1", "-x1"), BACKWARD, r"op 3 .*forward output x1 is not alive"),
+    (FORWARD, ("+b1",), r"end of schedule: backward output gw0 is not alive"),
+    (("+f0",), ("+f1", *BACKWARD), r"op 1 .*forward output x1 is not alive"),
+])
+def test_simulate_rejects(forward: tuple[str, ...], backward: tuple[str, ...], message: str) -> None:
+    graph = chain_graph(2)
+    with pytest.raises(InvalidSchedule, match=message):
+        simulate(graph, Schedule(_ops(*forward, *backward), len(forward)))
+
+
+def test_simulate_rejects_random_recompute_and_budget_overrun() -> None:
+    graph = training_graph([10, 10], random_nodes=frozenset({0}))
+    twice = Schedule(_ops("+f0", "+f1", "-x0", "+f0", *BACKWARD), 3)
+    with pytest.raises(InvalidSchedule, match=r"op 3 \(compute f0\): random node computed twice"):
+        simulate(graph, twice)
+    good = solve_store_all(graph)
+    with pytest.raises(InvalidSchedule, match=rf"exceeds the budget of {good.predicted_peak - 1} bytes"):
+        simulate(graph, good, good.predicted_peak - 1)
+
+
+def test_simulate_counts_transients_tangents_and_replacements() -> None:
+    graph = training_graph([10, 20], workspaces=[0, 7])
+    s = Schedule(_ops("+f0", "+f1", "+f0", "+b1", "-x1", "-tangent", "+b0"), 3)
+    result = simulate(graph, s)
+    # f1 allocates 20 + workspace 7 on top of x0: 37. Recomputing f0 while x0 is alive costs
+    # a transient 10 more but leaves 30. Tangent (20) appears at the boundary: 50.
+    assert result.curve[:3] == [10, 30, 30]
+    assert result.curve[3] == 30 + 20 + 10 + 1  # + tangent, + g1.x0 and gw1
+    assert result.peak == 61 and result.recompute_counts == {"f0": 1}
+
+
+def test_free_at_last_use_keeps_boundary_data_and_drops_useless_work() -> None:
+    graph = chain_graph(2)
+    ops, forward_length = free_at_last_use(graph, ["f0", "f0", "f1", "b1", "b0"], 3)
+    # The first f0 is dead (replaced before any read); x1, the loss, lives to the boundary.
+    assert ops[:forward_length] == _ops("+f0", "+f1")
+    assert ops[forward_length:] == _ops("-x1", "+b1", "-x0", "-tangent", "+b0", "-g1.x0")
+
+
+def test_schedule_json_round_trip(tmp_path: Path) -> None:
+    graph = chain_graph(3)
+    s = solve_ilp(graph, solve_store_all(graph).predicted_peak - 5)
+    path = tmp_path / "plan.json"
+    s.export(path)
+    loaded = Schedule.load(path)
+    assert loaded == s
+    assert loaded.forward_ops + loaded.backward_ops == s.ops
+
+
+# --- properties on random graphs ----------------------------------------------------------------
+
+
+@FAST
+@given(seed=st.integers(0, 10**6))
+def test_baselines_are_valid_and_report_what_the_simulator_measures(seed: int) -> None:
+    graph = random_training_graph(seed)
+    for solve in BASELINES:
+        s = solve(graph)
+        result = simulate(graph, s, s.predicted_peak)
+        assert (result.peak, result.time) == (s.predicted_peak, s.predicted_time)
+    bounds = budget_bounds(graph)
+    assert bounds.lower <= bounds.upper <= solve_store_all(graph).predicted_peak
+
+
+@FAST
+@given(seed=st.integers(0, 10**6), fraction=st.floats(0, 1))
+def test_ilp_is_valid_and_never_worse_than_a_baseline(seed: int, fraction: float) -> None:
+    graph = random_training_graph(seed)
+    low, high = min_feasible_budget(graph), solve_store_all(graph).predicted_peak
+    budget = int(low + fraction * (high - low))
+    s = solve_ilp(graph, budget, time_limit=10)
+    assert simulate(graph, s, budget).peak == s.predicted_peak <= budget
+    for solve in BASELINES:
+        other = solve(graph)
+        if other.predicted_peak <= budget:
+            assert s.predicted_time <= other.predicted_time + 1e-9, solve.__name__
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), fraction=st.floats(0, 1))
+def test_ilp_equals_brute_force_on_four_node_graphs(seed: int, fraction: float) -> None:
+    graph = random_training_graph(seed, max_forward=2)
+    low, high = budget_bounds(graph).lower, solve_store_all(graph).predicted_peak
+    budget = int(low + fraction * (high - low))
+    expected = brute_force_time(graph, budget)
+    if expected is None:
+        with pytest.raises(InfeasibleBudget, match="smallest feasible budget"):
+            solve_ilp(graph, budget, mip_rel_gap=0)
+    else:
+        assert solve_ilp(graph, budget, mip_rel_gap=0).predicted_time == expected
+
+
+def test_every_registered_solver_has_the_common_signature() -> None:
+    graph = chain_graph(3)
+    budget = solve_store_all(graph).predicted_peak
+    for name, solve in SOLVERS.items():
+        s = solve(graph, budget, time_limit=5)
+        assert simulate(graph, s, budget).peak <= budget, name
