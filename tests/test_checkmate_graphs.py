@@ -1,0 +1,49 @@
+"""The Checkmate paper's graphs: loading, the README's accounting, and the ILP on two of them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from solvers import (
+    budget_bounds,
+    checkmate_reference_peak,
+    load_checkmate_graph,
+    simulate,
+    solve_ilp,
+    solve_store_all,
+)
+
+GRAPHS = Path("/work/shared/benchmarks/checkmate-graphs")
+pytestmark = pytest.mark.skipif(not GRAPHS.is_dir(), reason="Checkmate graphs not available")
+
+
+def test_vgg16_loads_as_a_training_graph() -> None:
+    graph = load_checkmate_graph(GRAPHS / "vgg16.json")
+    assert len(graph.nodes) == 45 and len(graph.forward_nodes) == 22
+    assert graph.forward_outputs == ("predictions:out",)
+    assert graph.backward_outputs == ("block1_conv1_backward:out",)
+    assert graph.node("block1_conv2_backward").inputs == (
+        "block1_conv2:out", "block1_pool:out", "block1_pool_backward:out")
+    assert not any(dn.kind == "tangent" for dn in graph.data.values())
+
+
+@pytest.mark.parametrize(("name", "floor"), [("vgg16", 0.83), ("fcn8", 0.61)])
+def test_reference_peak_and_floor_match_the_readme(name: str, floor: float) -> None:
+    graph = load_checkmate_graph(GRAPHS / f"{name}.json")
+    reference = checkmate_reference_peak(graph)
+    assert solve_store_all(graph).predicted_peak == reference  # same accounting as our simulator
+    bounds = budget_bounds(graph)
+    assert bounds.exact and bounds.lower / reference == pytest.approx(floor, abs=0.01)
+
+
+@pytest.mark.parametrize(("name", "fraction", "max_overhead"), [("vgg16", 0.9, 0.05), ("fcn8", 0.8, 0.02)])
+def test_ilp_on_checkmate_graph(name: str, fraction: float, max_overhead: float) -> None:
+    graph = load_checkmate_graph(GRAPHS / f"{name}.json")
+    budget = int(fraction * checkmate_reference_peak(graph))
+    s = solve_ilp(graph, budget, time_limit=20)
+    assert simulate(graph, s, budget).peak == s.predicted_peak <= budget
+    overhead = s.predicted_time / sum(n.time for n in graph.nodes) - 1
+    assert 0 <= overhead <= max_overhead
+    assert s.lower_bound is not None and s.lower_bound <= s.predicted_time
