@@ -54,6 +54,11 @@ def solve_ilp(graph: RematGraph, budget: int, time_limit: float = 60, mip_rel_ga
             f"{floor} bytes ({format_bytes(floor)}): {reason}")
     candidates = baseline_schedules(graph) + ([warm_start] if warm_start is not None else [])
     fitting = sorted((s for s in candidates if s.predicted_peak <= budget), key=lambda s: s.predicted_time)
+    store_all = next(s for s in candidates if s.solver == "store_all")
+    if store_all.predicted_peak <= budget:
+        # Nothing recomputed and every needed node run once: no schedule can be faster.
+        return _as_ilp_result(store_all, budget, store_all.predicted_time, start,
+                              {"status": "Optimal (store-all fits)", "schedule_from": store_all.solver})
 
     unit = memory_unit(budget)
     model = CheckmateMilp(graph, unit, budget // unit)
@@ -86,13 +91,19 @@ def solve_ilp(graph: RematGraph, budget: int, time_limit: float = 60, mip_rel_ga
             f"no schedule found within {budget} bytes ({format_bytes(budget)}; MILP: {result.status}); "
             f"the smallest feasible budget found is {known} bytes ({format_bytes(known)}), "
             f"no schedule exists below {floor} bytes ({format_bytes(floor)})")
+    extra = {"status": result.status, "binaries": result.binaries, "memory_unit": unit,
+             "schedule_from": best.solver}
+    return _as_ilp_result(best, budget, result.dual_bound, start, extra)
+
+
+def _as_ilp_result(best: Schedule, budget: int, dual_bound: float | None, start: float,
+                   extra: dict[str, object]) -> Schedule:
+    """The returned schedule: `best`'s ops under the ILP's name, with bound, gap and timing."""
     schedule = Schedule(best.ops, best.forward_length, solver="ilp", budget=budget,
-                        predicted_peak=best.predicted_peak, predicted_time=best.predicted_time)
-    if result.dual_bound is not None:
-        schedule.lower_bound = min(result.dual_bound, schedule.predicted_time)
+                        predicted_peak=best.predicted_peak, predicted_time=best.predicted_time, extra=extra)
+    if dual_bound is not None:
+        schedule.lower_bound = min(dual_bound, schedule.predicted_time)
         schedule.gap = ((schedule.predicted_time - schedule.lower_bound) / schedule.predicted_time
                         if schedule.predicted_time > 0 else 0.0)
-    schedule.extra = {"status": result.status, "binaries": result.binaries, "memory_unit": unit,
-                      "schedule_from": best.solver}
     schedule.solve_time = time.perf_counter() - start
     return schedule

@@ -47,3 +47,11 @@ def test_ilp_on_checkmate_graph(name: str, fraction: float, max_overhead: float)
     overhead = s.predicted_time / sum(n.time for n in graph.nodes) - 1
     assert 0 <= overhead <= max_overhead
     assert s.lower_bound is not None and s.lower_bound <= s.predicted_time
+
+
+def test_ilp_under_a_short_time_limit_still_returns_a_valid_schedule() -> None:
+    graph = load_checkmate_graph(GRAPHS / "unet.json")
+    budget = int(0.42 * checkmate_reference_peak(graph))  # the README's hardest unet row
+    s = solve_ilp(graph, budget, time_limit=3)
+    assert simulate(graph, s, budget).peak <= budget
+    assert s.solve_time < 10 and s.extra["status"] != "Optimal"

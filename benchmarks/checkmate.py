@@ -1,0 +1,90 @@
+"""Our solvers on the Checkmate paper's graphs, beside the README's reference MILP rows.
+
+    python benchmarks/checkmate.py                       # fcn8 and unet, 90 s per ILP solve
+    python benchmarks/checkmate.py --graphs fcn8 segnet --time-limit 30 --output table.md
+
+Budgets are the README's fractions of the peak without rematerialization; overhead is
+(schedule time / sum of all node times) - 1, as in the README. Baselines are listed once per
+budget, with their own peak, when they fit. Reference and ours run on the same kind of machine
+but not side by side, so compare times loosely and overheads closely.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from solvers import (  # noqa: E402  (the path above makes the script runnable from anywhere)
+    InfeasibleBudget,
+    Schedule,
+    checkmate_reference_peak,
+    load_checkmate_graph,
+    solve_checkpoint_blocks,
+    solve_ilp,
+    solve_sqrt_segments,
+    solve_store_all,
+)
+
+GRAPHS = Path("/work/shared/benchmarks/checkmate-graphs")
+
+# (graph, budget fraction) -> (overhead, solve time in s): the README's HiGHS reference rows.
+REFERENCE: dict[tuple[str, float], tuple[float, float]] = {
+    ("fcn8", 0.90): (0.0003, 6.1), ("fcn8", 0.70): (0.0089, 28.9), ("fcn8", 0.62): (0.0292, 46.7),
+    ("unet", 0.90): (0.0113, 9.0), ("unet", 0.70): (0.0297, 27.2), ("unet", 0.50): (0.0735, 39.6),
+    ("unet", 0.42): (0.1229, 90.0),
+    ("segnet", 0.90): (0.0010, 27.1), ("segnet", 0.70): (0.0031, 12.0), ("segnet", 0.50): (0.8105, 90.0),
+    ("mobilenet", 0.90): (0.0016, 51.0), ("mobilenet", 0.70): (0.0073, 48.6),
+    ("mobilenet", 0.50): (0.0181, 124.3), ("mobilenet", 0.30): (0.0512, 200.0),
+}
+
+HEADER = ("| graph | budget | solver | overhead | peak | solve time | gap | status "
+          "| ref. overhead | ref. time |\n|---|---|---|---|---|---|---|---|---|---|")
+
+
+def row(graph: str, fraction: float, s: Schedule, total: float, reference_peak: int) -> str:
+    ref_overhead, ref_time = REFERENCE.get((graph, fraction), (None, None))
+    overhead = s.predicted_time / total - 1
+    gap = "" if s.gap is None else f"{s.gap:.4f}"
+    status = str(s.extra.get("status", ""))
+    if s.extra.get("schedule_from", s.solver) != s.solver:
+        status += f" (kept {s.extra['schedule_from']})"
+    ref = ("", "") if ref_overhead is None else (f"{ref_overhead:.2%}", f"{ref_time:.1f} s")
+    return (f"| {graph} | {fraction:.2f} | {s.solver} | {overhead:.2%} | {s.predicted_peak / reference_peak:.3f} "
+            f"| {s.solve_time:.1f} s | {gap} | {status} | {ref[0]} | {ref[1]} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--graphs", nargs="+", default=["fcn8", "unet"])
+    parser.add_argument("--time-limit", type=float, default=90.0, help="seconds per ILP solve")
+    parser.add_argument("--output", type=Path, help="also write the table to this markdown file")
+    args = parser.parse_args()
+
+    lines = [HEADER]
+    print(HEADER, flush=True)
+    for name in args.graphs:
+        graph = load_checkmate_graph(GRAPHS / f"{name}.json")
+        reference_peak = checkmate_reference_peak(graph)
+        total = sum(n.time for n in graph.nodes)
+        baselines = [solve_store_all(graph), solve_checkpoint_blocks(graph), solve_sqrt_segments(graph)]
+        for fraction in sorted((f for g, f in REFERENCE if g == name), reverse=True):
+            budget = int(fraction * reference_peak)
+            schedules = [b for b in baselines if b.predicted_peak <= budget]
+            start = time.perf_counter()
+            try:
+                schedules.append(solve_ilp(graph, budget, time_limit=args.time_limit))
+            except InfeasibleBudget as error:
+                print(f"| {name} | {fraction:.2f} | ilp | {error} ({time.perf_counter() - start:.1f} s) |")
+            for s in schedules:
+                lines.append(row(name, fraction, s, total, reference_peak))
+                print(lines[-1], flush=True)
+    if args.output:
+        args.output.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
