@@ -16,7 +16,7 @@ import torch
 from torch import fx
 
 from rkgraph.capture import JointGraph
-from rkgraph.graph import ComputeNode, DataNode, RematGraph
+from rkgraph.graph import SOURCE_KINDS, ComputeNode, DataNode, RematGraph
 
 # Ops whose output shares its input's storage although their schema does not say so.
 _ALIASING_OPS = {torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default}
@@ -162,7 +162,11 @@ def build_graph(joint: JointGraph, name: str = "") -> RematGraph:
 
     fwd = [storage_of_input(storages, o) for o in outputs[: joint.num_fwd_outputs] if isinstance(o, fx.Node)]
     bwd = [storage_of_input(storages, o) for o in outputs[joint.num_fwd_outputs:] if isinstance(o, fx.Node)]
-    graph = RematGraph(nodes, data, tuple(dict.fromkeys(fwd)), tuple(dict.fromkeys(bwd)), name=name)
+    # AOTAutograd lists the new values of mutated inputs first, then the user's outputs.
+    user = [storage_of_input(storages, o) for o in outputs[len(joint.mutated): joint.num_fwd_outputs]
+            if isinstance(o, fx.Node)]
+    graph = RematGraph(nodes, data, tuple(dict.fromkeys(fwd)), tuple(dict.fromkeys(bwd)), name=name,
+                       user_outputs=tuple(d for d in dict.fromkeys(user) if data[d].kind not in SOURCE_KINDS))
     graph.validate()
     return graph
 

@@ -63,6 +63,9 @@ class RematGraph:
     # and a class id per block: blocks with the same class are structurally identical.
     blocks: list[list[str]] = field(default_factory=list)
     block_classes: list[int] = field(default_factory=list)
+    # Forward outputs returned to the user, who holds them until the step ends (the others are
+    # new values of mutated buffers, copied into the buffers right after the forward).
+    user_outputs: tuple[str, ...] = ()
     # The captured joint fx graph this was built from (None for imported graphs); not saved.
     joint: Any = field(default=None, repr=False, compare=False)
 
@@ -124,6 +127,7 @@ class RematGraph:
             "backward_outputs": list(self.backward_outputs),
             "blocks": self.blocks,
             "block_classes": self.block_classes,
+            "user_outputs": list(self.user_outputs),
         }
 
     @classmethod
@@ -135,7 +139,8 @@ class RematGraph:
         ]
         data = {d["name"]: DataNode(**d) for d in obj["data"]}
         return cls(nodes, data, tuple(obj["forward_outputs"]), tuple(obj["backward_outputs"]),
-                   obj.get("name", ""), obj.get("blocks", []), obj.get("block_classes", []))
+                   obj.get("name", ""), obj.get("blocks", []), obj.get("block_classes", []),
+                   tuple(obj.get("user_outputs", ())))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))

@@ -22,7 +22,7 @@ from rkgraph import build_graph, partition, profile_graph
 from rkgraph.capture import FlatCall, flat_tensors, flatten_call, joint_graph, trace, training_function
 from rkgraph.graph import RematGraph
 from rockplan.budget import format_bytes, parse_budget
-from rockplan.codegen import generate
+from rockplan.codegen import generate, saved_for_backward
 from solvers import SOLVERS, Schedule, simulate, solve_store_all
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,7 @@ class Plan:
     schedule: Schedule
     budget: int
     store_all: Schedule  # what autograd alone would do: the reference for ratios and overheads
+    reserved: int  # bytes of mutated buffers copied for the backward (not in the graph)
     compiled: Any
     flat: FlatCall
     plan_time: float
@@ -108,6 +109,10 @@ class Rockmate(nn.Module):
         return self._current.budget
 
     @property
+    def reserved(self) -> int:
+        return self._current.reserved
+
+    @property
     def store_all_peak(self) -> int:
         return self._current.store_all.predicted_peak
 
@@ -138,9 +143,16 @@ class Rockmate(nn.Module):
             budget = parse_budget(self.budget_spec, store_all.predicted_peak)
             log.info("planning %s: %d nodes, budget %s (store-all peak %s)", graph.name, len(graph.nodes),
                      format_bytes(budget), format_bytes(store_all.predicted_peak))
+            # A backward that recomputes from a buffer the step mutates gets a copy of it (see
+            # codegen); the graph does not count those copies, so when they would not fit,
+            # their bytes are held back from the solver's budget and it plans again.
             schedule = SOLVERS[self.solver](graph, budget, **self.solver_options)
-            simulate(graph, schedule, budget)  # the referee: never run an unchecked plan
-            result.update(graph=graph, schedule=schedule, budget=budget, store_all=store_all)
+            reserved = _copied_buffer_bytes(joint, graph, schedule)
+            if reserved and schedule.predicted_peak + reserved > budget:
+                schedule = SOLVERS[self.solver](graph, budget - reserved, **self.solver_options)
+                reserved = _copied_buffer_bytes(joint, graph, schedule)
+            simulate(graph, schedule, budget - reserved)  # the referee: never run an unchecked plan
+            result.update(graph=graph, schedule=schedule, budget=budget, store_all=store_all, reserved=reserved)
             return generate(joint, graph, schedule)
 
         compiler = boxed_nop
@@ -172,6 +184,10 @@ class Rockmate(nn.Module):
     def train(self, mode: bool = True) -> Rockmate:
         super().train(mode)
         return self
+
+
+def _copied_buffer_bytes(joint: Any, graph: RematGraph, schedule: Schedule) -> int:
+    return sum(graph.data[d].size for d in saved_for_backward(graph, schedule.backward_ops) if d in joint.mutated)
 
 
 def _describe_difference(planned: tuple, got: tuple) -> str:

@@ -15,6 +15,7 @@ minimum is known exactly.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from rkgraph.graph import RematGraph
@@ -59,18 +60,24 @@ def memory_lower_bound(graph: RematGraph) -> tuple[int, str]:
     tangents = [d for d, dn in graph.data.items() if dn.kind == "tangent"]
     candidates = [(size(graph.forward_outputs) + size(tangents),
                    "forward outputs and tangents alive together at the phase boundary"),
-                  (size(graph.backward_outputs), "backward outputs alive at the end")]
+                  (size([*graph.backward_outputs, *graph.user_outputs]),
+                   "backward outputs and the user's forward outputs alive at the end")]
+    # Tangents and the user's outputs are held through the whole backward phase.
+    held_in_backward = [*tangents, *graph.user_outputs]
     for name in needed_nodes(graph):
         node = graph.node(name)
-        candidates.append((size(node.inputs) + size(node.outputs) + node.workspace,
-                           f"node {name} needs its inputs, outputs and workspace at once"))
+        held = [d for d in held_in_backward if d not in node.inputs] if node.backward else []
+        candidates.append((size(node.inputs) + size(node.outputs) + node.workspace + size(held),
+                           f"node {name} needs its inputs, outputs and workspace at once"
+                           + (", while the tangents and the user's outputs are held" if held else "")))
     return max(candidates)
 
 
-def min_memory_schedule(graph: RematGraph) -> Schedule:
-    """Stage by stage in graph order, keep only values that cannot be recomputed and recompute
-    each missing forward activation (and its missing ancestors) right before it is read."""
-    persistent = {d for d, dn in graph.data.items() if dn.kind == "tangent"}
+def min_memory_schedule(graph: RematGraph, checkpoints: Iterable[str] = (), solver: str = "min_memory") -> Schedule:
+    """Stage by stage in graph order, keep only values that cannot be recomputed (and the
+    `checkpoints`) and recompute each missing forward activation (and its missing ancestors)
+    right before it is read."""
+    persistent = {d for d, dn in graph.data.items() if dn.kind == "tangent"} | set(checkpoints)
     for node in graph.nodes:
         if node.backward or node.random:
             persistent.update(node.outputs)
@@ -95,7 +102,7 @@ def min_memory_schedule(graph: RematGraph) -> Schedule:
         computes.append(node.name)
     if len(graph.forward_nodes) == len(graph.nodes):
         forward_count = len(computes)
-    return schedule_from_computes(graph, computes, forward_count, solver="min_memory")
+    return schedule_from_computes(graph, computes, forward_count, solver=solver)
 
 
 @dataclass
@@ -104,18 +111,28 @@ class BudgetBounds:
     lower_reason: str
     upper: int  # achieved by `schedule`
     schedule: Schedule
+    candidates: list[Schedule]  # every constructive schedule tried (the baselines included)
 
     @property
     def exact(self) -> bool:
         return self.lower == self.upper
 
+    def describe(self) -> str:
+        """The smallest feasible budget, in words, for error messages."""
+        if self.exact:
+            return (f"the smallest feasible budget is {self.lower} bytes ({format_bytes(self.lower)}): "
+                    f"{self.lower_reason}")
+        return (f"the smallest feasible budget lies between {self.lower} bytes ({format_bytes(self.lower)}; "
+                f"{self.lower_reason}) and {self.upper} bytes ({format_bytes(self.upper)}, where a schedule "
+                "is known)")
+
 
 def budget_bounds(graph: RematGraph) -> BudgetBounds:
     lower, reason = memory_lower_bound(graph)
-    candidates = [min_memory_schedule(graph), solve_store_all(graph), solve_checkpoint_blocks(graph),
-                  solve_sqrt_segments(graph)]
+    candidates = [solve_store_all(graph), solve_checkpoint_blocks(graph), solve_sqrt_segments(graph),
+                  min_memory_schedule(graph)]
     best = min(candidates, key=lambda s: (s.predicted_peak, s.predicted_time))
-    return BudgetBounds(lower, reason, best.predicted_peak, best)
+    return BudgetBounds(lower, reason, best.predicted_peak, best, candidates)
 
 
 def min_feasible_budget(graph: RematGraph) -> int:

@@ -104,6 +104,10 @@ def simulate(graph: RematGraph, schedule: Schedule, budget: int | None = None) -
                 raise fail(where, f"{op.name} is a source ({graph.data[op.name].kind}), never freed")
             if op.name not in alive:
                 raise fail(where, f"{op.name} is not alive")
+            if backward_phase and op.name in graph.user_outputs:
+                raise fail(where, f"{op.name} is returned to the user, who holds it until the step ends")
+            if graph.data[op.name].kind == "tangent":
+                raise fail(where, f"{op.name} is a tangent: autograd holds it until the backward returns")
             alive.remove(op.name)
             memory -= graph.data[op.name].size
         else:
@@ -114,6 +118,7 @@ def simulate(graph: RematGraph, schedule: Schedule, budget: int | None = None) -
     if schedule.forward_length == len(schedule.ops):  # empty backward phase: boundary is the end
         enter_backward(end)
     check_required(graph.backward_outputs, end, "backward output")
+    check_required(graph.user_outputs, end, "output held by the user")
     recomputes = {name: c - 1 for name, c in counts.items() if c > 1}
     return SimulationResult(peak, curve, time, recomputes)
 
@@ -188,8 +193,13 @@ def free_at_last_use(graph: RematGraph, computes: Sequence[str], forward_count: 
     outputs and `keep`. Computations whose results are never used are dropped.
     Returns (ops, forward_length).
     """
-    keep_set = frozenset(keep) | frozenset(graph.backward_outputs)
+    # Outputs returned to the user are held by them until the step ends.
+    # Tangents are held by autograd's call of the backward until it returns.
+    keep_set = (frozenset(keep) | frozenset(graph.backward_outputs) | frozenset(graph.user_outputs)
+                | frozenset(_tangents(graph)))
     computes, forward_count = _drop_dead(graph, list(computes), forward_count, keep_set)
+    # Held values are never freed; recomputing one replaces it in place (counted once).
+    held = frozenset(graph.user_outputs) | frozenset(_tangents(graph))
     live = _Liveness(graph, computes)
     m = len(computes)
     fwd_out = set(graph.forward_outputs)
@@ -200,7 +210,7 @@ def free_at_last_use(graph: RematGraph, computes: Sequence[str], forward_count: 
         """Schedule the free of the value of d made at `made_at` (None: a tangent, made at the
         boundary) and replaced at `stop`: after its last read, at the boundary if it is
         required there and unread after it, right after its op if nobody reads it."""
-        if d in keep_set and stop == m:
+        if (d in keep_set and stop == m) or d in held:
             return
         start = forward_count if made_at is None else made_at + 1
         last = live.last_read(d, start, stop)

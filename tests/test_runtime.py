@@ -18,42 +18,46 @@ MODELS = [name for name in zoo.ZOO if name != "hf_gpt2" or importlib.util.find_s
 SOLVER_OPTIONS = {"time_limit": 10}
 
 
-def _outputs_sum(out: object) -> torch.Tensor:
-    """A loss that allocates nothing beyond what the graph counts (the tangents are views)."""
-    return sum(t.float().sum() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad)
-
-
 def _step(model: torch.nn.Module, args: tuple, kwargs: dict, seed: int = 1) -> object:
+    """Forward, then backward from all-ones output gradients (the graph's tangents): the step
+    allocates nothing outside the planned module, so the budget can be checked to the byte."""
     torch.manual_seed(seed)
     out = model(*args, **kwargs)
-    _outputs_sum(out).backward()
+    leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
     return out
 
 
-def _assert_same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:
+def _assert_same_state(a: torch.nn.Module, b: torch.nn.Module, exact: bool = True) -> None:
+    # Not exact: eager's kernels against AOTAutograd's decompositions, amplified by BatchNorm.
+    tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-4, "atol": 1e-5}
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=f"gradient of {name}")
+        torch.testing.assert_close(p.grad, q.grad, **tol, msg=f"gradient of {name}")
     for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
-        torch.testing.assert_close(x, y, rtol=0, atol=0, msg=f"state {name}")
+        torch.testing.assert_close(x, y, **tol, msg=f"state {name}")
 
 
 @pytest.mark.parametrize("budget", [1.0, 0.5, "min"])
 @pytest.mark.parametrize("name", MODELS)
 def test_same_gradients_and_budget_honoured(name: str, budget: float | str) -> None:
     model, args, kwargs, _loss = zoo.make(name, "tiny")
-    reference = copy.deepcopy(model)
+    eager_model, stored_model = copy.deepcopy(model), copy.deepcopy(model)
     if budget == "min":
         probe = Rockmate(model, (args, kwargs), 1.0, solver="store_all")
-        budget = min_feasible_budget(probe.graph)
+        budget = min_feasible_budget(probe.graph) + probe.reserved
     try:
         rk = Rockmate(model, (args, kwargs), budget, solver="ilp", solver_options=SOLVER_OPTIONS)
     except InfeasibleBudget as e:
         assert "smallest feasible budget" in str(e)
         pytest.skip(f"{budget} is below the feasible minimum for {name}")
     planned = measure_step(_step, rk, args, kwargs)
-    eager = _step(reference, args, kwargs)
-    torch.testing.assert_close(planned.result, eager, rtol=0, atol=0)
-    _assert_same_state(model, reference)
+    # Against eager: AOTAutograd's decompositions may round differently (UNet's upsampling).
+    torch.testing.assert_close(planned.result, _step(eager_model, args, kwargs), rtol=1e-4, atol=1e-5)
+    _assert_same_state(model, eager_model, exact=False)
+    # Against the same graph run without recomputation: bitwise, so recomputing changes nothing.
+    stored = _step(Rockmate(stored_model, (args, kwargs), 1.0, solver="store_all"), args, kwargs)
+    torch.testing.assert_close(planned.result, stored, rtol=0, atol=0)
+    _assert_same_state(model, stored_model)
 
     measured, predicted = planned.peak, rk.schedule.predicted_peak
     assert measured <= rk.budget, f"measured {measured} B over budget {rk.budget} B"
@@ -64,7 +68,9 @@ def test_same_gradients_and_budget_honoured(name: str, budget: float | str) -> N
 def test_parameters_identical_after_three_optimizer_steps(name: str) -> None:
     model, args, kwargs, loss_fn = zoo.make(name, "tiny")
     reference = copy.deepcopy(model)
-    rk = Rockmate(model, (args, kwargs), 0.5, solver="ilp", solver_options=SOLVER_OPTIONS)
+    probe = Rockmate(model, (args, kwargs), 1.0, solver="store_all")
+    budget = max(int(0.5 * probe.store_all_peak), min_feasible_budget(probe.graph) + probe.reserved)
+    rk = Rockmate(model, (args, kwargs), budget, solver="ilp", solver_options=SOLVER_OPTIONS)
     assert list(rk.parameters()) == list(model.parameters())  # the optimizer sees the same objects
     for module in (rk, reference):
         opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
@@ -82,8 +88,8 @@ def test_parameters_identical_after_three_optimizer_steps(name: str) -> None:
 def test_recomputed_dropout_reproduces_its_mask() -> None:
     model, args, kwargs, _ = zoo.make("gpt", "tiny")
     reference = copy.deepcopy(model)
-    graph = Rockmate(model, (args, kwargs), 1.0, solver="store_all").graph
-    budget = min_feasible_budget(graph)
+    probe = Rockmate(model, (args, kwargs), 1.0, solver="store_all")
+    budget = min_feasible_budget(probe.graph) + probe.reserved
     rk = Rockmate(model, (args, kwargs), budget, solver="ilp", solver_options=SOLVER_OPTIONS)
     recomputed = {op.name for op in rk.schedule.backward_ops if op.kind == "compute"} & {
         n.name for n in rk.graph.forward_nodes
