@@ -73,10 +73,12 @@ def memory_lower_bound(graph: RematGraph) -> tuple[int, str]:
     return max(candidates)
 
 
-def min_memory_schedule(graph: RematGraph, checkpoints: Iterable[str] = (), solver: str = "min_memory") -> Schedule:
+def min_memory_schedule(graph: RematGraph, checkpoints: Iterable[str] = (), solver: str = "min_memory",
+                        forward_once: bool = False) -> Schedule:
     """Stage by stage in graph order, keep only values that cannot be recomputed (and the
     `checkpoints`) and recompute each missing forward activation (and its missing ancestors)
-    right before it is read."""
+    right before it is read. With `forward_once`, the forward phase runs each node once (values
+    live until their last forward use) and only backward stages recompute."""
     persistent = {d for d, dn in graph.data.items() if dn.kind == "tangent"} | set(checkpoints)
     for node in graph.nodes:
         if node.backward or node.random:
@@ -86,6 +88,9 @@ def min_memory_schedule(graph: RematGraph, checkpoints: Iterable[str] = (), solv
     for t, node in enumerate(graph.nodes):
         if t == len(graph.forward_nodes):
             forward_count = len(computes)
+        if forward_once and not node.backward:
+            computes.append(node.name)
+            continue
         available = {d for d in persistent if graph.data[d].kind != "tangent" or node.backward}
         missing: set[str] = set()  # nodes to recompute in this stage
         stack = [d for d in node.inputs if not graph.is_source(d)]

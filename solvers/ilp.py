@@ -2,8 +2,9 @@
 
 Around the model (solvers/ilp_model.py) this file does what makes it dependable:
 - budgets below the proven floor are refused at once with the floor in the message;
-- the baselines that fit the budget warm-start HiGHS, so the solver starts from a schedule
-  and only has to improve it (the flat MILP's weak point is finding feasible schedules);
+- the best baseline that fits the budget (segment checkpointing, or the greedy checkpoint
+  heuristic at tight budgets) warm-starts HiGHS, so the solver starts from a schedule and only
+  has to improve it (the flat MILP's weak point is finding good feasible schedules);
 - whatever happens (time limit without incumbent, a model rendered infeasible by rounding
   sizes up), the best schedule that fits is returned: the MILP's if better, else a baseline.
 """
@@ -14,13 +15,11 @@ import logging
 import time
 
 from rkgraph.graph import RematGraph
-from solvers.bounds import format_bytes, memory_lower_bound, min_memory_schedule
-from solvers.checkpoint_blocks import solve_checkpoint_blocks
+from solvers.bounds import budget_bounds, format_bytes
+from solvers.greedy_checkpoints import solve_greedy_checkpoints
 from solvers.ilp_model import CheckmateMilp, alive_at_stage_starts, stages_of
 from solvers.schedule import Schedule
 from solvers.simulate import InfeasibleBudget, InvalidSchedule, schedule_from_computes
-from solvers.sqrt_segments import solve_sqrt_segments
-from solvers.store_all import solve_store_all
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +32,6 @@ def memory_unit(budget: int) -> int:
     return max(1, budget // MEMORY_UNITS)
 
 
-def baseline_schedules(graph: RematGraph) -> list[Schedule]:
-    return [solve_store_all(graph), solve_checkpoint_blocks(graph), solve_sqrt_segments(graph),
-            min_memory_schedule(graph)]
-
-
 def solve_ilp(graph: RematGraph, budget: int, time_limit: float = 60, mip_rel_gap: float = 0.01,
               warm_start: Schedule | None = None) -> Schedule:
     """Minimise total compute time with peak memory <= budget (bytes).
@@ -47,18 +41,24 @@ def solve_ilp(graph: RematGraph, budget: int, time_limit: float = 60, mip_rel_ga
     when no schedule was found and no baseline fits.
     """
     start = time.perf_counter()
-    floor, reason = memory_lower_bound(graph)
-    if budget < floor:
-        raise InfeasibleBudget(
-            f"budget {budget} bytes ({format_bytes(budget)}) is below the smallest feasible budget "
-            f"{floor} bytes ({format_bytes(floor)}): {reason}")
-    candidates = baseline_schedules(graph) + ([warm_start] if warm_start is not None else [])
+    bounds = budget_bounds(graph)
+    if budget < bounds.lower:
+        raise InfeasibleBudget(f"budget {budget} bytes ({format_bytes(budget)}) is too small: {bounds.describe()}")
+    candidates = bounds.candidates + ([warm_start] if warm_start is not None else [])
     fitting = sorted((s for s in candidates if s.predicted_peak <= budget), key=lambda s: s.predicted_time)
     store_all = next(s for s in candidates if s.solver == "store_all")
     if store_all.predicted_peak <= budget:
         # Nothing recomputed and every needed node run once: no schedule can be faster.
         return _as_ilp_result(store_all, budget, store_all.predicted_time, start,
                               {"status": "Optimal (store-all fits)", "schedule_from": store_all.solver})
+
+    # The segment baselines cannot fit tight budgets, and a minimum-memory warm start is so slow
+    # that HiGHS may never improve on it in time: the greedy heuristic gives a far better one.
+    try:
+        fitting.append(solve_greedy_checkpoints(graph, budget, time_limit=min(10.0, 0.1 * time_limit)))
+        fitting.sort(key=lambda s: s.predicted_time)
+    except InfeasibleBudget:
+        pass
 
     unit = memory_unit(budget)
     model = CheckmateMilp(graph, unit, budget // unit)
@@ -86,11 +86,8 @@ def solve_ilp(graph: RematGraph, budget: int, time_limit: float = 60, mip_rel_ga
     if fitting and (best is None or fitting[0].predicted_time < best.predicted_time):
         best = fitting[0]
     if best is None:
-        known = min(s.predicted_peak for s in candidates)
-        raise InfeasibleBudget(
-            f"no schedule found within {budget} bytes ({format_bytes(budget)}; MILP: {result.status}); "
-            f"the smallest feasible budget found is {known} bytes ({format_bytes(known)}), "
-            f"no schedule exists below {floor} bytes ({format_bytes(floor)})")
+        raise InfeasibleBudget(f"no schedule found within {budget} bytes ({format_bytes(budget)}; "
+                               f"MILP: {result.status}); {bounds.describe()}")
     extra = {"status": result.status, "binaries": result.binaries, "memory_unit": unit,
              "schedule_from": best.solver}
     return _as_ilp_result(best, budget, result.dual_bound, start, extra)

@@ -18,14 +18,16 @@ def training_graph(sizes: list[int], times: list[float] | None = None, *,
                    skips: list[tuple[int, int]] = (), saves_output: list[bool] | None = None,
                    workspaces: list[int] | None = None, random_nodes: frozenset[int] = frozenset(),
                    grad_sizes: list[int] | None = None, param_grad_size: int = 1,
-                   block_size: int = 0, frozen: int = 0, name: str = "") -> RematGraph:
+                   block_size: int = 0, frozen: int = 0, user_holds_loss: bool = False,
+                   name: str = "") -> RematGraph:
     """Forward node i (0-based) reads the previous output (or the input for i = 0) plus the
     outputs of nodes j for each skip (j, i), and its parameter w{i}; writes x{i} of sizes[i].
     Backward node b{i} reads the gradient of x{i}, x{i}'s inputs and, if saves_output[i], x{i};
     writes one gradient per activation input (size grad_sizes[i], default the input's size)
     and gw{i}. The first `frozen` nodes have no trainable parameter: like autograd, no gradient
     flows to their outputs and they get no backward node.
-    `block_size` > 0 groups consecutive forward nodes into graph.blocks."""
+    `block_size` > 0 groups consecutive forward nodes into graph.blocks. `user_holds_loss`
+    makes the loss a user output, held until the step ends."""
     n = len(sizes)
     if not 0 <= frozen < n:
         raise ValueError(f"frozen must be in 0..{n - 1}")
@@ -70,7 +72,8 @@ def training_graph(sizes: list[int], times: list[float] | None = None, *,
     blocks = ([[f"f{i}" for i in range(s, min(n, s + block_size))] for s in range(0, n, block_size)]
               if block_size else [])
     graph = RematGraph(nodes, data, (f"x{n - 1}",), tuple(backward_outputs), name=name,
-                       blocks=blocks, block_classes=list(range(len(blocks))))
+                       blocks=blocks, block_classes=list(range(len(blocks))),
+                       user_outputs=(f"x{n - 1}",) if user_holds_loss else ())
     graph.validate()
     return graph
 
@@ -83,7 +86,7 @@ def chain_graph(n: int, size: int = 10, time: float = 1.0) -> RematGraph:
 def random_training_graph(seed: int, max_forward: int = 6, *, skip_probability: float = 0.3,
                           random_probability: float = 0.1) -> RematGraph:
     """A random small training graph: sizes 1..50, times 1..10, occasional skips, saved
-    outputs, workspaces, random (dropout-like) nodes and blocks."""
+    outputs, workspaces, random (dropout-like) nodes, blocks and a loss held by the user."""
     rng = random.Random(seed)
     n = rng.randint(1, max_forward)
     skips = [(j, i) for i in range(2, n) for j in range(i - 1) if rng.random() < skip_probability]
@@ -95,5 +98,6 @@ def random_training_graph(seed: int, max_forward: int = 6, *, skip_probability: 
         workspaces=[rng.choice([0, 0, rng.randint(1, 20)]) for _ in range(n)],
         random_nodes=frozenset(i for i in range(n) if rng.random() < random_probability),
         block_size=rng.choice([0, 1, 2, 3]),
+        user_holds_loss=rng.random() < 0.3,
         name=f"random{seed}",
     )

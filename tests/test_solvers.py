@@ -21,14 +21,16 @@ from solvers import (
     min_feasible_budget,
     simulate,
     solve_checkpoint_blocks,
+    solve_greedy_checkpoints,
     solve_ilp,
     solve_sqrt_segments,
     solve_store_all,
 )
+from solvers.bounds import min_memory_schedule
 from solvers.simulate import schedule_from_computes
 from tests.graph_factories import chain_graph, random_training_graph, training_graph
 
-BASELINES = [solve_store_all, solve_checkpoint_blocks, solve_sqrt_segments]
+BASELINES = [solve_store_all, solve_checkpoint_blocks, solve_sqrt_segments, solve_greedy_checkpoints]
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -62,18 +64,19 @@ def test_store_all_on_chain_of_four() -> None:
     s = solve_store_all(graph)
     assert computes(s) == ["f0", "f1", "f2", "f3", "b3", "b2", "b1", "b0"]
     assert s.forward_length == 4  # the loss x3 is freed as the backward starts, not before
-    # Boundary: x0..x3 + tangent = 50; b3 then frees x3 and makes g3.x2 (10) + gw3 (1): 51.
-    assert s.predicted_peak == 51 and s.predicted_time == 12
+    # Boundary: x0..x3 + tangent = 50; b3 frees x3 and makes g3.x2 + gw3 (51), frees x2 (41);
+    # b2 makes g2.x1 + gw2: 52. The tangent is held by autograd until the backward returns.
+    assert s.predicted_peak == 52 and s.predicted_time == 12
     assert s.saved_for_backward(graph) == ["x0", "x1", "x2", "x3"]
 
 
 def test_ilp_recomputes_the_cheapest_node_on_chain_of_four() -> None:
     graph = chain_graph(4)
-    assert solve_ilp(graph, 51, mip_rel_gap=0).predicted_time == 12  # store-all fits: nothing to redo
-    # At 41 the boundary (x0..x3 + tangent = 50) must shed one value: dropping x0 (recompute f0,
-    # 1 s, right before b1) gives boundary 40 and b3's step 41; one recomputation is the minimum.
-    s = solve_ilp(graph, 41, mip_rel_gap=0)
-    assert s.predicted_time == 13 and s.predicted_peak <= 41
+    assert solve_ilp(graph, 52, mip_rel_gap=0).predicted_time == 12  # store-all fits: nothing to redo
+    # At 51, b2's step (x0, x1, tangent, g3.x2, gw3 + g2.x1, gw2 = 52) must shed a value: dropping
+    # x0 and recomputing f0 (1 s, the cheapest node) right before b1 brings every step to <= 43.
+    s = solve_ilp(graph, 51, mip_rel_gap=0)
+    assert s.predicted_time == 13 and s.predicted_peak == 43
     assert simulate(graph, s).recompute_counts == {"f0": 1}
     assert s.lower_bound == pytest.approx(13) and s.gap == pytest.approx(0)
 
@@ -81,11 +84,13 @@ def test_ilp_recomputes_the_cheapest_node_on_chain_of_four() -> None:
 def test_infeasible_budget_states_the_minimum() -> None:
     graph = chain_graph(4)
     bounds = budget_bounds(graph)
-    assert bounds.lower == 31  # b3 alone: tangent + x2 + g3.x2 + gw3
-    assert min_feasible_budget(graph) == 33 and not bounds.exact  # param grads pile up to 33
-    with pytest.raises(InfeasibleBudget, match=r"smallest feasible budget 31 bytes \(31 B\)"):
-        solve_ilp(graph, 30)
-    assert solve_ilp(graph, 33).predicted_peak <= 33
+    assert bounds.lower == 41  # b2: g3.x2 + x1 + g2.x1 + gw2, with the tangent held
+    assert min_feasible_budget(graph) == 43 and not bounds.exact  # b1 also sees gw3 and gw2
+    with pytest.raises(InfeasibleBudget, match=r"smallest feasible budget lies between 41 bytes \(41 B;"):
+        solve_ilp(graph, 40)
+    with pytest.raises(InfeasibleBudget, match=r"no schedule found within 42 bytes.* and 43 bytes"):
+        solve_ilp(graph, 42)
+    assert solve_ilp(graph, 43).predicted_peak <= 43
 
 
 def test_checkpoint_blocks_recomputes_each_block_before_its_backward() -> None:
@@ -133,7 +138,7 @@ def _ops(*spec: str) -> list[Op]:
 
 
 FORWARD = ("+f0", "+f1")
-BACKWARD = ("+b1", "-x1", "-tangent", "+b0")
+BACKWARD = ("+b1", "-x1", "+b0")
 
 
 @pytest.mark.parametrize(("forward", "backward", "message"), [
@@ -145,6 +150,7 @@ BACKWARD = ("+b1", "-x1", "-tangent", "+b0")
     (FORWARD, ("-ghost",), r"op 2 \(free ghost\): unknown data node ghost"),
     (("+f0", "+f1", "-x1"), BACKWARD, r"op 3 .*forward output x1 is not alive"),
     (FORWARD, ("+b1",), r"end of schedule: backward output gw0 is not alive"),
+    (FORWARD, ("+b1", "-tangent"), r"op 3 \(free tangent\): tangent is a tangent: autograd holds it"),
     (("+f0",), ("+f1", *BACKWARD), r"op 1 .*forward output x1 is not alive"),
 ])
 def test_simulate_rejects(forward: tuple[str, ...], backward: tuple[str, ...], message: str) -> None:
@@ -163,9 +169,17 @@ def test_simulate_rejects_random_recompute_and_budget_overrun() -> None:
         simulate(graph, good, good.predicted_peak - 1)
 
 
+def test_simulate_rejects_freeing_what_the_user_holds() -> None:
+    graph = training_graph([10, 10], user_holds_loss=True)
+    with pytest.raises(InvalidSchedule, match=r"op 3 \(free x1\): x1 is returned to the user"):
+        simulate(graph, Schedule(_ops(*FORWARD, *BACKWARD), 2))
+    s = solve_store_all(graph)
+    assert "x1" not in [op.name for op in s.ops if op.kind == "free"]
+
+
 def test_simulate_counts_transients_tangents_and_replacements() -> None:
     graph = training_graph([10, 20], workspaces=[0, 7])
-    s = Schedule(_ops("+f0", "+f1", "+f0", "+b1", "-x1", "-tangent", "+b0"), 3)
+    s = Schedule(_ops("+f0", "+f1", "+f0", "+b1", "-x1", "+b0"), 3)
     result = simulate(graph, s)
     # f1 allocates 20 + workspace 7 on top of x0: 37. Recomputing f0 while x0 is alive costs
     # a transient 10 more but leaves 30. Tangent (20) appears at the boundary: 50.
@@ -179,12 +193,12 @@ def test_free_at_last_use_keeps_boundary_data_and_drops_useless_work() -> None:
     ops, forward_length = free_at_last_use(graph, ["f0", "f0", "f1", "b1", "b0"], 3)
     # The first f0 is dead (replaced before any read); x1, the loss, lives to the boundary.
     assert ops[:forward_length] == _ops("+f0", "+f1")
-    assert ops[forward_length:] == _ops("-x1", "+b1", "-x0", "-tangent", "+b0", "-g1.x0")
+    assert ops[forward_length:] == _ops("-x1", "+b1", "-x0", "+b0", "-g1.x0")  # tangent held
 
 
 def test_schedule_json_round_trip(tmp_path: Path) -> None:
-    graph = chain_graph(3)
-    s = solve_ilp(graph, solve_store_all(graph).predicted_peak - 5)
+    graph = chain_graph(4)
+    s = solve_ilp(graph, 51)
     path = tmp_path / "plan.json"
     s.export(path)
     loaded = Schedule.load(path)
@@ -219,6 +233,17 @@ def test_ilp_is_valid_and_never_worse_than_a_baseline(seed: int, fraction: float
         other = solve(graph)
         if other.predicted_peak <= budget:
             assert s.predicted_time <= other.predicted_time + 1e-9, solve.__name__
+
+
+@FAST
+@given(seed=st.integers(0, 10**6), fraction=st.floats(0, 1))
+def test_greedy_checkpoints_fit_down_to_the_minimum_memory_schedule(seed: int, fraction: float) -> None:
+    graph = random_training_graph(seed)
+    low, high = min_memory_schedule(graph).predicted_peak, solve_store_all(graph).predicted_peak
+    budget = int(low + fraction * max(0, high - low))
+    s = solve_greedy_checkpoints(graph, budget)
+    assert simulate(graph, s, budget).peak == s.predicted_peak <= budget
+    assert s.predicted_time <= min_memory_schedule(graph).predicted_time
 
 
 @settings(max_examples=40, deadline=None)

@@ -1,0 +1,69 @@
+"""Heuristic: the minimum-memory schedule plus as many checkpoints as the budget allows.
+
+Start from `min_memory_schedule` (every forward activation recomputed from sources and kept
+values whenever it is read, in the forward phase too or only in the backward) and greedily
+keep forward activations, best time saved per byte first, while the schedule still fits.
+It is cheap (two simulations per candidate and family) and fits budgets down to the floor,
+which the segment baselines cannot: the ILP uses it as a warm start at tight budgets, where
+HiGHS alone struggles to find any good schedule.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rkgraph.graph import RematGraph
+from solvers.bounds import format_bytes, min_memory_schedule
+from solvers.schedule import Schedule
+from solvers.simulate import InfeasibleBudget, simulate
+
+NAME = "greedy_checkpoints"
+
+
+def _greedy(graph: RematGraph, budget: int | None, forward_once: bool, deadline: float) -> Schedule:
+    """Greedy checkpoint selection within one schedule family (see `min_memory_schedule`)."""
+    def build(checkpoints: list[str]) -> Schedule:
+        return min_memory_schedule(graph, checkpoints, solver=NAME, forward_once=forward_once)
+
+    best = build([])
+    candidates = [d for node in graph.forward_nodes if not node.random for d in node.outputs
+                  if not graph.is_source(d) and graph.data[d].size > 0]
+    gains: dict[str, float] = {}
+    for d in candidates:
+        if time.perf_counter() > deadline:
+            break
+        saved = best.predicted_time - build([d]).predicted_time
+        if saved > 0:
+            gains[d] = saved / graph.data[d].size
+    kept: list[str] = []
+    for d in sorted(gains, key=gains.__getitem__, reverse=True):
+        if time.perf_counter() > deadline:
+            break
+        trial = build([*kept, d])
+        if (budget is None or trial.predicted_peak <= budget) and trial.predicted_time < best.predicted_time:
+            kept.append(d)
+            best = trial
+    best.extra = {"checkpoints": kept, "forward_once": forward_once}
+    return best
+
+
+def solve_greedy_checkpoints(graph: RematGraph, budget: int | None = None, time_limit: float = 10.0,
+                             **options: object) -> Schedule:
+    """Best of two families: recompute forward activations in the forward phase too (fits the
+    tightest budgets) or run the forward once (much faster when it fits). `time_limit` caps the
+    search (the best schedule so far is returned); other options are ignored. Raises
+    InfeasibleBudget if no schedule of either family fits."""
+    start = time.perf_counter()
+    results = []
+    for i, forward_once in enumerate((True, False)):
+        family = _greedy(graph, budget, forward_once, start + time_limit * (i + 1) / 2)
+        if budget is None or family.predicted_peak <= budget:
+            results.append(family)
+    if not results:
+        raise InfeasibleBudget(f"budget {budget} bytes ({format_bytes(budget or 0)}) is below the "
+                               "peak of the minimum-memory schedule")
+    best = min(results, key=lambda s: s.predicted_time)
+    simulate(graph, best, budget)
+    best.budget = budget
+    best.solve_time = time.perf_counter() - start
+    return best
