@@ -4,8 +4,9 @@ Stages t = 0..n-1 follow the graph order ("frontier advancing"): stage t compute
 possibly after recomputing earlier nodes i < t in index order (lower-triangular R).
 Variables, in memory units (sizes rounded up, so a feasible model is a feasible schedule):
   R[t,i]   binary   node i runs in stage t; R[t,t] = 1; random nodes only in their own stage
-  S[t,d]   binary   data d is alive at the start of stage t (t = n: at the end); tangents are
-                    S[nf,d] = 1 at the first backward stage nf and can only be kept after
+  S[t,d]   binary   data d is alive at the start of stage t (t = n: at the end); tangents and
+                    the user's outputs are fixed at 1 from the first backward stage nf on
+                    (autograd and the user hold them until the step ends), never freed
   F[t,d,k] in [0,1] d is freed right after step k of stage t (k = d's producer or a reader)
   U[t,k]   >= 0     memory after step k of stage t, frees included
 Adaptations to our graph (multi-output nodes, data nodes, workspace):
