@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import time
 from typing import Any
 
 import pytest
@@ -37,19 +36,6 @@ def test_forward_backward_gives_finite_loss_and_gradients(name: str) -> None:
     for param_name, param in trainable:
         assert param.grad is not None, param_name
         assert torch.isfinite(param.grad).all(), param_name
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_tiny_step_is_fast(name: str) -> None:
-    entry = make(name)
-    _step(entry)  # the first call pays for lazy initialisation (HF in particular)
-    # Best of a few: on a shared 2-core machine one step can stall behind another process.
-    durations = []
-    for _ in range(5):
-        start = time.perf_counter()
-        _step(entry)
-        durations.append(time.perf_counter() - start)
-    assert min(durations) < 0.5
 
 
 @pytest.mark.parametrize("name", NAMES)
