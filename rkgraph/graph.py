@@ -142,6 +142,11 @@ class RematGraph:
                    obj.get("name", ""), obj.get("blocks", []), obj.get("block_classes", []),
                    tuple(obj.get("user_outputs", ())))
 
+    def render(self, path: str | Path, **kw: Any) -> Path:
+        from rkgraph.render import render  # graphviz is imported only when drawing
+
+        return render(self, path, **kw)
+
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))
 

@@ -1,0 +1,123 @@
+"""The memory tracker on plain eager training against the graph's store-everything prediction.
+
+The requirement: for each zoo model, the peak the tracker measures for an eager step (forward,
+then backward from ones over the outputs) is within 5% of `simulate(graph, store_all)`. It
+holds where eager runs the same ATen ops as AOTAutograd's joint graph. Where it does not, a
+test below pins the measured ratio and proves the cause, so a change in either side shows up.
+Measured on CPU (torch 2.13), "tiny" sizes; eager / predicted:
+
+    mlp 1.000   resnet 0.952   gpt 1.137   unet 0.837   multi_output 1.000   hf_gpt2 1.134
+
+- gpt, hf_gpt2: eager CPU dropout (`_dropout_impl`) keeps a float32 mask; the joint graph's
+  `native_dropout` (what CUDA eager runs too) keeps a bool mask, a quarter of the size.
+  hf_gpt2 keeps 3% more beyond that (1.057 with dropout off): in the backward of HF's
+  tanh-GELU, written as Python pointwise ops, eager's MulBackward computes both operand
+  gradients while the engine still holds the incoming gradient; the graph frees in between.
+- unet: AOTAutograd traces through the Python decomposition of `upsample_bilinear2d`
+  (registered for the Autograd key in torch._decomp), whose forward and backward allocate
+  several full-size temporaries where eager's kernel allocates only its result.
+- resnet (within 5%): a grouped forward node (conv -> batch norm -> relu chains) holds its
+  inputs for the whole group and counts its temporaries on top, where eager frees an input
+  after its last read inside the chain.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch._decomp.decompositions import _upsample_linear_vec
+from torch.utils._pytree import tree_leaves
+
+import rkgraph
+import solvers
+from rkgraph.graph import RematGraph
+from rockplan import zoo
+from rockplan.memory import measure_step
+
+TOLERANCE = 0.05
+
+
+def eager_peak(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Tracker peak of one eager step whose only allocations beyond the model's are tangents."""
+    for p in model.parameters():
+        p.grad = None  # gradients are allocated inside the step, as in the graph
+
+    def step() -> None:
+        out = model(*args, **kwargs)
+        leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
+
+    peak = measure_step(step).peak
+    for p in model.parameters():
+        p.grad = None
+    return peak
+
+
+def predicted_peak(graph: RematGraph) -> int:
+    return solvers.simulate(graph, solvers.solve_store_all(graph)).peak
+
+
+def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> RematGraph:
+    return rkgraph.capture(model, args, kwargs, profile="estimate")
+
+
+def without_dropout(model: nn.Module) -> nn.Module:
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "dropout", None), float):  # the zoo GPT's attention dropout
+            module.dropout = 0.0
+    return model
+
+
+@pytest.mark.parametrize("name", ["mlp", "resnet", "multi_output"])
+def test_eager_peak_matches_graph(name: str) -> None:
+    model, args, kwargs, _ = zoo.make(name)
+    predicted = predicted_peak(capture(model, args, kwargs))
+    assert eager_peak(model, args, kwargs) == pytest.approx(predicted, rel=TOLERANCE)
+
+
+def test_gpt_matches_graph_without_dropout() -> None:
+    # With dropout off both sides run the same ops; measured equal to the byte.
+    model, args, kwargs, _ = zoo.make("gpt")
+    without_dropout(model)
+    predicted = predicted_peak(capture(model, args, kwargs))
+    assert eager_peak(model, args, kwargs) == pytest.approx(predicted, rel=TOLERANCE)
+
+
+@pytest.mark.parametrize(("name", "ratio", "corrected"), [("gpt", 1.137, 1.000), ("hf_gpt2", 1.134, 1.030)])
+def test_transformer_gap_is_eager_cpu_float_dropout_masks(name: str, ratio: float, corrected: float) -> None:
+    """Eager CPU dropout keeps float32 masks: counting the graph's bool masks at four bytes an
+    element brings the prediction to eager (exactly for gpt; hf_gpt2 keeps its GELU gap)."""
+    if name not in zoo.ZOO:
+        pytest.skip("transformers is not installed")
+    model, args, kwargs, _ = zoo.make(name)
+    graph = capture(model, args, kwargs)
+    measured = eager_peak(model, args, kwargs)
+    assert measured / predicted_peak(graph) == pytest.approx(ratio, abs=0.02)
+
+    fx_nodes = {n.name: n for n in graph.joint.module.graph.nodes}
+    masks = [d for n in graph.nodes if n.op == "aten.native_dropout.default" for d in n.outputs
+             if fx_nodes[d].meta["val"].dtype == torch.bool]
+    assert masks
+    for d in masks:
+        graph.data[d].size *= torch.float32.itemsize
+    assert measured / predicted_peak(graph) == pytest.approx(corrected, abs=0.005)
+
+
+def test_unet_gap_is_the_traced_bilinear_upsample_decomposition() -> None:
+    """Measured 0.837 (tiny) and 0.862 (default): the graph runs the decomposed bilinear
+    upsample. Eager made to run the same decomposition agrees to 0.13%."""
+    model, args, kwargs, _ = zoo.make("unet")
+    predicted = predicted_peak(capture(model, args, kwargs))
+    assert eager_peak(model, args, kwargs) / predicted == pytest.approx(0.837, abs=0.02)
+
+    def decomposed(self: nn.Upsample, x: torch.Tensor) -> torch.Tensor:
+        return _upsample_linear_vec(x, None, self.align_corners, [self.scale_factor] * 2)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(nn.Upsample, "forward", decomposed)
+        assert eager_peak(model, args, kwargs) == pytest.approx(predicted, rel=0.01)
