@@ -3,7 +3,7 @@
 Memory is counted per storage: a view op allocates nothing and reads its base's storage, so
 views are not scheduled at all; code generation re-derives them from their base wherever
 they are needed. Every op that allocates heads a group; getitems of a multi-output op and
-chains of cheap pointwise ops that read only that group (and sources) join it, so a
+chains of cheap forward pointwise ops that read only that group (and sources) join it, so a
 transformer block is a few dozen schedulable nodes rather than hundreds.
 """
 
@@ -37,7 +37,7 @@ def _is_pointwise(node: fx.Node) -> bool:
     return isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags
 
 
-def _is_random(node: fx.Node) -> bool:
+def is_random(node: fx.Node) -> bool:
     t = node.target
     return isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
 
@@ -90,7 +90,9 @@ def _tensor_inputs(node: fx.Node) -> list[fx.Node]:
     return [] if node.target is operator.getitem else node.all_input_nodes
 
 
-def build_graph(joint: JointGraph, name: str = "") -> RematGraph:
+def build_graph(joint: JointGraph, name: str = "", replay_rng: bool = True) -> RematGraph:
+    """`replay_rng`: random ops may be recomputed (the runtime replays their RNG state); when
+    False they are flagged `random`, to be computed once."""
     gm = joint.module
     storages = storage_map(gm)
 
@@ -117,9 +119,11 @@ def build_graph(joint: JointGraph, name: str = "") -> RematGraph:
             continue
         producers = {group_of[storage_of_input(storages, a)] for a in _tensor_inputs(node)
                      if storage_of_input(storages, a) in group_of}
-        if (_is_pointwise(node) and not _is_random(node) and len(producers) == 1):
+        # Only forward chains are grouped: a backward chain's inputs (gradients) usually die
+        # inside it, which a group's workspace, charged on top of its inputs, would overstate.
+        if _is_pointwise(node) and not is_random(node) and len(producers) == 1 and not is_backward(node):
             (group,) = producers
-            if is_backward(group.head) == is_backward(node):
+            if not is_backward(group.head):
                 group.ops.append(node)
                 group_of[node.name] = group
                 continue
@@ -146,6 +150,7 @@ def build_graph(joint: JointGraph, name: str = "") -> RematGraph:
     for group in groups:
         outs, inputs, workspace = _group_dataflow(group, storages, group_of, escaping)
         head = group.head
+        draws_random = any(is_random(n) for n in group.ops)
         for s in outs:
             data[s] = DataNode(s, _tensor_bytes(storages.root_of[s].meta.get("val")), "activation", head.name)
         nodes.append(ComputeNode(
@@ -154,7 +159,8 @@ def build_graph(joint: JointGraph, name: str = "") -> RematGraph:
             outputs=tuple(outs),
             backward=is_backward(head),
             workspace=workspace,
-            random=any(_is_random(n) for n in group.ops),
+            random=draws_random and not replay_rng,
+            rng=draws_random and replay_rng,
             module=head.meta.get("custom", {}).get("module", ""),
             op=str(head.target),
             fx_nodes=tuple(n.name for n in group.ops),

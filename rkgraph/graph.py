@@ -13,6 +13,8 @@ Memory semantics, shared by the simulator and every solver:
 - `forward_outputs` must be alive at the end of the forward phase (they are returned to the
   user); `backward_outputs` (gradients) must be alive at the end of the backward phase.
 - A node flagged `random` may be computed once only (recomputing it would draw a new mask).
+  Nodes flagged `rng` draw random numbers too, but the runtime replays the generator state
+  recorded at their first run, so they may be recomputed like any other node.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ class ComputeNode:
     backward: bool = False
     time: float = 0.0  # seconds (or arbitrary cost units for imported graphs)
     workspace: int = 0  # temporary bytes during the op (grouped intermediates, kernel scratch)
-    random: bool = False  # draws random numbers: compute at most once
+    random: bool = False  # draws random numbers that cannot be replayed: compute at most once
+    rng: bool = False  # draws random numbers; a recomputation replays the recorded RNG state
     module: str = ""  # module path in the user's model, "" when unknown
     op: str = ""  # main ATen op, e.g. "aten.mm.default"
     fx_nodes: tuple[str, ...] = ()  # names of the fx nodes of the joint graph in this group

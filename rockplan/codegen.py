@@ -15,9 +15,10 @@ from typing import Any
 import torch
 from torch import fx
 
-from rkgraph.build import is_view
+from rkgraph.build import is_random, is_view
 from rkgraph.capture import JointGraph
 from rkgraph.graph import RematGraph
+from rockplan.rng import replay, rng_state
 
 aten = torch.ops.aten
 
@@ -32,6 +33,7 @@ class _Emitter:
         self.remat = graph
         self.graph = fx.Graph()
         self.env: dict[str, fx.Node] = {}
+        self.rng_states: dict[str, fx.Node] = {}  # random fx node -> its recorded generator state
 
     def placeholder(self, name: str) -> None:
         node = self.graph.placeholder(name)
@@ -46,8 +48,30 @@ class _Emitter:
         raise CodegenError(f"{node.name} is needed but was freed or never computed")
 
     def compute(self, name: str) -> None:
-        for fx_name in self.remat.node(name).fx_nodes:
-            self.env[fx_name] = self.graph.node_copy(self.fx_nodes[fx_name], self.value)
+        node = self.remat.node(name)
+        for fx_name in node.fx_nodes:
+            original = self.fx_nodes[fx_name]
+            if node.rng and is_random(original):
+                self.env[fx_name] = self._random(original)
+            else:
+                self.env[fx_name] = self.graph.node_copy(original, self.value)
+
+    def _random(self, original: fx.Node) -> fx.Node:
+        """First run: record the generator state, then draw as eager does. Later runs: replay."""
+        val = original.meta["val"]
+        device = (val[0] if isinstance(val, (tuple, list)) else val).device
+        state = self.rng_states.get(original.name)
+        if state is None:
+            state = self.graph.call_function(rng_state, (device,))
+            # AOTAutograd reads the metadata of every saved value.
+            fake_mode = (val[0] if isinstance(val, (tuple, list)) else val).fake_mode
+            state.meta["val"] = fake_mode.from_tensor(rng_state(device))
+            self.rng_states[original.name] = state
+            return self.graph.node_copy(original, self.value)
+        args, kwargs = fx.node.map_arg((original.args, original.kwargs), self.value)
+        node = self.graph.call_function(replay, (state, device, str(original.target), *args), kwargs)
+        node.meta = dict(original.meta)
+        return node
 
     def free(self, data: str) -> None:
         self.env.pop(data, None)
@@ -83,6 +107,15 @@ def saved_for_backward(graph: RematGraph, backward_ops: list[Any]) -> list[str]:
     return saved
 
 
+def _random_ops_in(graph: RematGraph, ops: list[Any], fx_nodes: dict[str, fx.Node]) -> list[str]:
+    """Random fx nodes that `ops` recompute (in order, once each)."""
+    found: dict[str, None] = {}
+    for op in ops:
+        if op.kind == "compute" and graph.node(op.name).rng:
+            found.update((n, None) for n in graph.node(op.name).fx_nodes if is_random(fx_nodes[n]))
+    return list(found)
+
+
 def generate(joint: JointGraph, graph: RematGraph, schedule: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
     gm = joint.module
     placeholders = gm.graph.find_nodes(op="placeholder")
@@ -104,11 +137,18 @@ def generate(joint: JointGraph, graph: RematGraph, schedule: Any) -> tuple[fx.Gr
     # recomputation must read a copy of its value from before.
     kept = [fw.graph.call_function(aten.clone.default, (fw.env[d],)) if d in joint.mutated else fw.fx_nodes[d]
             for d in saved]
-    fw_module = fw.module(gm, outputs[: joint.num_fwd_outputs] + kept)
+    replayed = _random_ops_in(graph, backward_ops, fw.fx_nodes)
+    missing = [r for r in replayed if r not in fw.rng_states]
+    if missing:
+        raise CodegenError(f"random op {missing[0]} first runs in the backward: its draws would differ from eager")
+    fw_module = fw.module(gm, outputs[: joint.num_fwd_outputs] + kept + [fw.rng_states[r] for r in replayed])
 
     bw = _Emitter(gm, graph)
     for d in saved:
         bw.placeholder(d)
+    for r in replayed:
+        bw.rng_states[r] = bw.graph.placeholder(f"rng_state_{r}")
+        bw.rng_states[r].meta["val"] = fw.rng_states[r].meta["val"]
     for p in placeholders:
         if p.name.startswith("tangents"):
             bw.placeholder(p.name)

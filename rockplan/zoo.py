@@ -57,7 +57,7 @@ def mlp(size: Size = "tiny") -> ZooEntry:
     """Linear+GELU layers, a classifier head; cross-entropy on fixed random labels."""
     cfg = _pick(
         size,
-        tiny={"batch": 8, "widths": (32, 64, 64, 10)},
+        tiny={"batch": 256, "widths": (32, 64, 64, 10)},
         default={"batch": 256, "widths": (1024, 2048, 2048, 2048, 2048, 100)},
     )
     widths = cfg["widths"]
@@ -127,7 +127,7 @@ def resnet(size: Size = "tiny") -> ZooEntry:
     """ResNet-style CNN on random images; cross-entropy on fixed random labels."""
     cfg = _pick(
         size,
-        tiny={"batch": 2, "image": 16, "widths": (8, 16), "blocks": 1, "classes": 10},
+        tiny={"batch": 8, "image": 16, "widths": (8, 16), "blocks": 1, "classes": 10},
         default={"batch": 16, "image": 64, "widths": (32, 64, 128, 256), "blocks": 2, "classes": 100},
     )
     model = ResNet(cfg["widths"], cfg["blocks"], cfg["classes"])
@@ -218,7 +218,7 @@ def gpt(size: Size = "tiny") -> ZooEntry:
     """GPT-style decoder with dropout 0.1 and tied embeddings, on random token ids."""
     cfg = _pick(
         size,
-        tiny={"batch": 2, "seq": 16, "vocab_size": 128, "n_layer": 2, "n_head": 2, "n_embd": 32},
+        tiny={"batch": 8, "seq": 64, "vocab_size": 128, "n_layer": 2, "n_head": 2, "n_embd": 32},
         default={"batch": 4, "seq": 256, "vocab_size": 8192, "n_layer": 6, "n_head": 6, "n_embd": 384},
     )
     model = GPT(cfg["vocab_size"], cfg["seq"], cfg["n_layer"], cfg["n_head"], cfg["n_embd"], dropout=0.1)
@@ -292,7 +292,7 @@ def unet(size: Size = "tiny") -> ZooEntry:
     """UNet for segmentation of random images; per-pixel cross-entropy on a fixed random mask."""
     cfg = _pick(
         size,
-        tiny={"batch": 2, "image": 16, "widths": (8, 16, 32), "classes": 3},
+        tiny={"batch": 4, "image": 16, "widths": (8, 16, 32), "classes": 3},
         default={"batch": 4, "image": 128, "widths": (16, 32, 64, 128, 256), "classes": 5},
     )
     model = UNet(3, cfg["classes"], cfg["widths"])
@@ -332,7 +332,7 @@ def multi_output(size: Size = "tiny") -> ZooEntry:
     """Dict of outputs from keyword arguments; the loss mixes classification, regression, L2."""
     cfg = _pick(
         size,
-        tiny={"batch": 8, "features": 16, "hidden": 32, "classes": 5},
+        tiny={"batch": 256, "features": 16, "hidden": 32, "classes": 5},
         default={"batch": 512, "features": 512, "hidden": 2048, "classes": 100},
     )
     model = MultiHead(cfg["features"], cfg["hidden"], cfg["classes"])
@@ -392,7 +392,7 @@ def hf_gpt2(size: Size = "tiny", n_layer: int | None = None, attn_implementation
 
     cfg = _pick(
         size,
-        tiny={"batch": 2, "seq": 16, "vocab_size": 128, "n_layer": 2, "n_head": 2, "n_embd": 32},
+        tiny={"batch": 8, "seq": 64, "vocab_size": 128, "n_layer": 2, "n_head": 2, "n_embd": 32},
         default={"batch": 4, "seq": 256, "vocab_size": 8192, "n_layer": 6, "n_head": 6, "n_embd": 384},
     )
     config = GPT2Config(

@@ -50,8 +50,10 @@ def test_graph_structure(net: Net) -> None:
     assert {"param", "buffer", "input", "activation", "tangent"} <= kinds
     # every parameter gets a gradient; BatchNorm's buffers are forward outputs (mutations)
     assert len(graph.backward_outputs) == len(list(net.parameters()))
-    assert any(n.random for n in graph.forward_nodes)  # dropout is flagged
-    assert not any(n.random for n in graph.backward_nodes)
+    assert any(n.rng for n in graph.forward_nodes)  # dropout is flagged, and replayable
+    assert not any(n.rng or n.random for n in graph.backward_nodes)
+    once = rkgraph.build_graph(graph.joint, replay_rng=False)  # for runtimes that cannot replay
+    assert [n.name for n in once.nodes if n.random] == [n.name for n in graph.nodes if n.rng]
     modules = {n.module for n in graph.nodes}
     assert {"inp", "bn", "blocks.0.fc", "blocks.3.norm", "out"} <= modules
     assert all(n.time > 0 for n in graph.nodes if n.op.startswith(("aten.mm", "aten.addmm")))

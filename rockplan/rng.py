@@ -1,0 +1,41 @@
+"""Replaying random ops: a recomputed dropout must draw the same mask as the first run.
+
+The forward records the generator state right before each random op; a recomputation sets
+that state, runs the op and puts the current state back, so the user's random stream ends
+the step exactly where eager PyTorch leaves it. These functions are called from generated fx
+code (plain Python calls, so the eager backend runs them; Inductor gets no replay).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def rng_state(device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state()
+
+
+def _set_rng_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def replay(state: torch.Tensor, device: torch.device, op: str, *args: Any, **kwargs: Any) -> Any:
+    """Run the random ATen `op` ("aten.native_dropout.default") as it ran when `state` was recorded.
+
+    The op is named by a string because generated fx code prints its arguments as source.
+    """
+    namespace, packet, overload = op.split(".")
+    fn = getattr(getattr(getattr(torch.ops, namespace), packet), overload)
+    current = rng_state(device)
+    _set_rng_state(device, state)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _set_rng_state(device, current)
