@@ -5,6 +5,7 @@ from collections.abc import Callable
 from solvers.bounds import budget_bounds, format_bytes, min_feasible_budget
 from solvers.checkmate_graphs import checkmate_reference_peak, load_checkmate_graph
 from solvers.checkpoint_blocks import solve_checkpoint_blocks
+from solvers.dtr import solve_dtr
 from solvers.greedy_checkpoints import solve_greedy_checkpoints
 from solvers.ilp import solve_ilp
 from solvers.schedule import Op, Schedule
@@ -18,11 +19,12 @@ SOLVERS: dict[str, Callable[..., Schedule]] = {
     "sqrt_segments": solve_sqrt_segments,
     "greedy_checkpoints": solve_greedy_checkpoints,
     "ilp": solve_ilp,
+    "dtr": solve_dtr,
 }
 
 __all__ = [
     "SOLVERS", "InfeasibleBudget", "InvalidSchedule", "Op", "Schedule", "SimulationResult",
     "budget_bounds", "checkmate_reference_peak", "format_bytes", "free_at_last_use", "load_checkmate_graph",
-    "min_feasible_budget", "simulate", "solve_checkpoint_blocks", "solve_greedy_checkpoints", "solve_ilp",
+    "min_feasible_budget", "simulate", "solve_checkpoint_blocks", "solve_dtr", "solve_greedy_checkpoints", "solve_ilp",
     "solve_sqrt_segments", "solve_store_all",
 ]
