@@ -9,6 +9,7 @@ partition function (rockplan's planner plugs in there); `capture` only records t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import logging
@@ -36,8 +37,8 @@ class CaptureError(RuntimeError):
     """The model cannot be captured as one graph; the message says where and what to do."""
 
 
-class _PartitionFailed(Exception):
-    """Carries an error of the partition function through AOTAutograd, told apart from tracing errors."""
+class _PlanningFailed(Exception):
+    """Carries an error of planning or compiling through AOTAutograd, told apart from tracing errors."""
 
 
 @dataclass
@@ -107,13 +108,14 @@ def training_function(
     model: torch.nn.Module,
     flat: FlatCall,
     partition_fn: PartitionFn,
-    fw_compiler: Callable | None = None,
-    bw_compiler: Callable | None = None,
+    compiler: Callable | None = None,
+    decompositions: dict | None = None,
 ) -> Callable[..., Any]:
     """An AOTAutograd callable over (params, buffers, input tensors) running `model`.
 
     Traced on its first call; `partition_fn(joint_module, joint_inputs, num_fwd_outputs=...)`
-    decides what the forward keeps and what the backward recomputes.
+    decides what the forward keeps and what the backward recomputes; `compiler` turns the
+    forward and backward modules into callables (default: run the fx code as it is).
     """
     n_params, n_buffers = len(flat.param_names), len(flat.buffer_names)
     names = flat.param_names + flat.buffer_names
@@ -121,24 +123,58 @@ def training_function(
     def flat_fn(*tensors: torch.Tensor) -> Any:
         args, kwargs = flat.unflatten(tensors[n_params + n_buffers:])
         out = functional_call(model, dict(zip(names, tensors[: n_params + n_buffers])), args, kwargs)
+        _register_dataclasses(out)
         # AOTAutograd functionalizes the call: a mutated input shows as a pending data mutation.
         flat.mutated.update(i for i, t in enumerate(tensors) if _has_data_mutation(t))
         return out
 
-    def partition(*a: Any, **kw: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
-        try:
-            return partition_fn(*a, **kw)
-        except Exception as e:
-            raise _PartitionFailed() from e
-
-    identity = make_boxed_compiler(lambda gm, _inputs: gm)
+    compiler = _planning_step(compiler or make_boxed_compiler(lambda gm, _inputs: gm))
     return aot_function(
         flat_fn,
-        fw_compiler=fw_compiler or identity,
-        bw_compiler=bw_compiler or fw_compiler or identity,
-        partition_fn=partition,
+        fw_compiler=compiler,
+        bw_compiler=compiler,
+        partition_fn=_planning_step(partition_fn),
+        decompositions=decompositions,
         num_params_buffers=n_params + n_buffers,
     )
+
+
+def _planning_step(fn: Callable) -> Callable:
+    """Mark errors of our own steps inside AOTAutograd so they are not taken for tracing errors."""
+
+    def run(*a: Any, **kw: Any) -> Any:
+        try:
+            return fn(*a, **kw)
+        except Exception as e:
+            raise _PlanningFailed() from e
+
+    return run
+
+
+def _register_dataclasses(out: Any) -> None:
+    """Let AOTAutograd flatten dataclass outputs: tensor fields are leaves, the rest constants."""
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        cls = type(out)
+        if cls not in pytree.SUPPORTED_NODES:
+            def flatten(obj: Any) -> tuple[list[Any], Any]:
+                fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+                data = [k for k, v in fields.items() if any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(v))]
+                constants = tuple((k, v) for k, v in fields.items() if k not in data)
+                return [fields[k] for k in data], (tuple(data), constants)
+
+            def unflatten(children: Any, context: Any) -> Any:
+                data, constants = context
+                return cls(**dict(zip(data, children)), **dict(constants))
+
+            pytree.register_pytree_node(cls, flatten, unflatten)
+        for f in dataclasses.fields(out):
+            _register_dataclasses(getattr(out, f.name))
+    elif isinstance(out, (list, tuple)):
+        for item in out:
+            _register_dataclasses(item)
+    elif isinstance(out, dict):
+        for item in out.values():
+            _register_dataclasses(item)
 
 
 def _has_data_mutation(t: torch.Tensor) -> bool:
@@ -175,7 +211,7 @@ def trace(
     with _module_path_annotations(model), fx_traceback.preserve_node_meta(), torch.enable_grad():
         try:
             compiled(*fakes)
-        except _PartitionFailed as e:
+        except _PlanningFailed as e:
             raise e.__cause__ from None
         except (CaptureError, ValueError, TypeError):
             raise

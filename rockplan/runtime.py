@@ -8,6 +8,7 @@ in one autograd.Function and applies buffer mutations once per step.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from dataclasses import dataclass
@@ -135,7 +136,8 @@ class Rockmate(nn.Module):
 
         def plan_and_generate(joint_module: fx.GraphModule, _inputs: Any, *, num_fwd_outputs: int, **_: Any):
             joint = joint_graph(flat, joint_module, num_fwd_outputs)
-            graph = build_graph(joint, name=type(self.model).__name__)
+            # Inductor compiles the graphs whole, so it cannot call our RNG replay: random ops run once.
+            graph = build_graph(joint, name=type(self.model).__name__, replay_rng=self.backend != "inductor")
             graph.joint = joint
             profile_graph(graph, joint, real, self.profile)
             partition(graph)
@@ -155,12 +157,12 @@ class Rockmate(nn.Module):
             result.update(graph=graph, schedule=schedule, budget=budget, store_all=store_all, reserved=reserved)
             return generate(joint, graph, schedule)
 
-        compiler = boxed_nop
+        compiler, decompositions = boxed_nop, None
         if self.backend == "inductor":
-            from torch._inductor.compile_fx import compile_fx_inner
+            from torch._inductor.decomposition import select_decomp_table
 
-            compiler = compile_fx_inner
-        compiled = training_function(self.model, flat, plan_and_generate, compiler, compiler)
+            compiler, decompositions = _inductor, select_decomp_table()
+        compiled = training_function(self.model, flat, plan_and_generate, compiler, decompositions)
         trace(self.model, flat, compiled, args, kwargs)
         plan = Plan(compiled=compiled, flat=flat, plan_time=time.perf_counter() - start, **result)
         self._plans[_signature(self.model, args, kwargs)] = plan
@@ -184,6 +186,24 @@ class Rockmate(nn.Module):
     def train(self, mode: bool = True) -> Rockmate:
         super().train(mode)
         return self
+
+
+def _inductor(gm: fx.GraphModule, example_inputs: Any) -> Any:
+    """Inductor for real tensors; the fx code itself for the fake call that triggers planning,
+    since Inductor's kernels allocate real buffers."""
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._subclasses import FakeTensor
+
+    on_fakes = boxed_nop(copy.deepcopy(gm), example_inputs)
+    compiled = compile_fx_inner(gm, example_inputs)
+
+    def run(args: list) -> Any:
+        if any(isinstance(a, FakeTensor) for a in args):
+            return on_fakes(args)
+        return compiled(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
 
 
 def _copied_buffer_bytes(joint: Any, graph: RematGraph, schedule: Schedule) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 
 import pytest
@@ -137,3 +138,60 @@ def test_bad_budget_units() -> None:
     model, args, kwargs, _ = zoo.make("mlp", "tiny")
     with pytest.raises(ValueError, match="cannot read budget"):
         Rockmate(model, (args, kwargs), "12 parsecs", solver="store_all")
+
+
+@dataclasses.dataclass
+class _Output:
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    note: str = "constant fields pass through"
+
+
+class _DataclassModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(8, 32)
+        self.head = torch.nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> _Output:
+        hidden = torch.tanh(self.inner(x)) * scale
+        return _Output(self.head(hidden), hidden)
+
+
+def test_dataclass_outputs_and_inputs_that_require_grad() -> None:
+    torch.manual_seed(0)
+    model = _DataclassModel()
+    reference = copy.deepcopy(model)
+    x = torch.randn(64, 8, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    rk = Rockmate(model, ((x,), {"scale": 0.5}), 1.0, solver="store_all")
+    out, expected = rk(x, scale=0.5), reference(x_ref, scale=0.5)
+    assert isinstance(out, _Output) and out.note == expected.note
+    (out.logits.sum() + out.hidden.square().sum()).backward()
+    (expected.logits.sum() + expected.hidden.square().sum()).backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    _assert_same_state(model, reference, exact=False)
+
+
+def test_an_error_inside_the_backward_loses_nothing() -> None:
+    model, args, kwargs, loss_fn = zoo.make("resnet", "tiny")
+    rk = Rockmate(model, (args, kwargs), 1.0, solver="store_all")
+    params = [p.detach().clone() for p in model.parameters()]
+    out = rk(*args, **kwargs)
+    out.register_hook(lambda _grad: (_ for _ in ()).throw(RuntimeError("simulated failure")))
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        loss_fn(out, *args).backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+    loss_fn(rk(*args, **kwargs), *args).backward()  # the next step works
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_inductor_backend_matches_eager_backend() -> None:
+    model, args, kwargs, _ = zoo.make("mlp", "tiny")
+    compiled_model, reference = copy.deepcopy(model), copy.deepcopy(model)
+    eager_backend = Rockmate(reference, (args, kwargs), 0.85, solver="ilp", solver_options=SOLVER_OPTIONS)
+    inductor = Rockmate(compiled_model, (args, kwargs), 0.85, solver="ilp", solver_options=SOLVER_OPTIONS,
+                        backend="inductor")
+    torch.testing.assert_close(_step(inductor, args, kwargs), _step(eager_backend, args, kwargs))
+    _assert_same_state(compiled_model, reference, exact=False)
