@@ -69,6 +69,8 @@ class RematGraph:
     # Forward outputs returned to the user, who holds them until the step ends (the others are
     # new values of mutated buffers, copied into the buffers right after the forward).
     user_outputs: tuple[str, ...] = ()
+    # Backward nodes per block (same indexing as `blocks`): those differentiating its forward.
+    backward_blocks: list[list[str]] = field(default_factory=list)
     # The captured joint fx graph this was built from (None for imported graphs); not saved.
     joint: Any = field(default=None, repr=False, compare=False)
 
@@ -131,6 +133,7 @@ class RematGraph:
             "blocks": self.blocks,
             "block_classes": self.block_classes,
             "user_outputs": list(self.user_outputs),
+            "backward_blocks": self.backward_blocks,
         }
 
     @classmethod
@@ -143,7 +146,7 @@ class RematGraph:
         data = {d["name"]: DataNode(**d) for d in obj["data"]}
         return cls(nodes, data, tuple(obj["forward_outputs"]), tuple(obj["backward_outputs"]),
                    obj.get("name", ""), obj.get("blocks", []), obj.get("block_classes", []),
-                   tuple(obj.get("user_outputs", ())))
+                   tuple(obj.get("user_outputs", ())), obj.get("backward_blocks", []))
 
     def render(self, path: str | Path, **kw: Any) -> Path:
         from rkgraph.render import render  # graphviz is imported only when drawing

@@ -60,8 +60,46 @@ def _signature(graph: RematGraph, block: list[str]) -> str:
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()
 
 
+def backward_blocks(graph: RematGraph, blocks: list[list[str]] | None = None) -> list[list[str]]:
+    """Assign each backward node to the block whose forward it differentiates (`blocks`, by
+    default graph.blocks: a chain of blocks covering the forward nodes in graph order).
+
+    A backward node belongs where the forward values it reads were made: the block of the
+    activations internal to one block it reads (the latest such block), else the block that
+    consumes the cut tensor it reads (a weight gradient reads its layer's input, the previous
+    block's output), else the last block (it reads only tangents). Then data flow settles the
+    rest: backward blocks run from the last to the first, so a node can be no later a block
+    than the nodes whose gradients it reads (a gradient sum joins the block of its earliest
+    contribution). Nodes keep graph order within each block, so every block's list is a valid
+    order and running the lists from the last block to the first is a valid backward.
+    """
+    blocks = graph.blocks if blocks is None else blocks
+    block_of = {name: j for j, block in enumerate(blocks) for name in block}
+    constant = input_independent(graph)
+    made_in = {d: block_of[dn.producer] for d, dn in graph.data.items()
+               if dn.producer in block_of and d not in constant}
+    # Activations read by the forward of other blocks cross a cut: owned by their last reader.
+    read_by: dict[str, int] = {}
+    for node in graph.forward_nodes:
+        for d in node.inputs:
+            if d in made_in and block_of[node.name] != made_in[d]:
+                read_by[d] = max(read_by.get(d, 0), block_of[node.name])
+    last = len(blocks) - 1
+    assigned: dict[str, int] = {}
+    for node in graph.backward_nodes:
+        internal = [made_in[d] for d in node.inputs if d in made_in and d not in read_by]
+        crossing = [read_by[d] for d in node.inputs if d in read_by]
+        anchor = max(internal) if internal else max(crossing) if crossing else last
+        upstream = [assigned[p] for d in node.inputs if (p := graph.data[d].producer) in assigned]
+        assigned[node.name] = min([anchor, *upstream])
+    result: list[list[str]] = [[] for _ in blocks]
+    for node in graph.backward_nodes:
+        result[assigned[node.name]].append(node.name)
+    return result
+
+
 def partition(graph: RematGraph) -> None:
-    """Fill graph.blocks and graph.block_classes."""
+    """Fill graph.blocks, graph.block_classes and graph.backward_blocks."""
     forward = [n.name for n in graph.forward_nodes]
     blocks, start = [], 0
     for cut in cut_points(graph):
@@ -72,3 +110,4 @@ def partition(graph: RematGraph) -> None:
     classes: dict[str, int] = {}
     graph.blocks = blocks
     graph.block_classes = [classes.setdefault(_signature(graph, b), len(classes)) for b in blocks]
+    graph.backward_blocks = backward_blocks(graph)
