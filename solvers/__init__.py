@@ -8,6 +8,8 @@ from solvers.checkpoint_blocks import solve_checkpoint_blocks
 from solvers.dtr import solve_dtr
 from solvers.greedy_checkpoints import solve_greedy_checkpoints
 from solvers.ilp import solve_ilp
+from solvers.rockmate import solve_rockmate
+from solvers.rotor import solve_rotor
 from solvers.schedule import Op, Schedule
 from solvers.simulate import InfeasibleBudget, InvalidSchedule, SimulationResult, free_at_last_use, simulate
 from solvers.sqrt_segments import solve_sqrt_segments
@@ -19,6 +21,8 @@ SOLVERS: dict[str, Callable[..., Schedule]] = {
     "sqrt_segments": solve_sqrt_segments,
     "greedy_checkpoints": solve_greedy_checkpoints,
     "ilp": solve_ilp,
+    "rotor": solve_rotor,
+    "rockmate": solve_rockmate,
     "dtr": solve_dtr,
 }
 
@@ -26,5 +30,6 @@ __all__ = [
     "SOLVERS", "InfeasibleBudget", "InvalidSchedule", "Op", "Schedule", "SimulationResult",
     "budget_bounds", "checkmate_reference_peak", "format_bytes", "free_at_last_use", "load_checkmate_graph",
     "min_feasible_budget", "simulate", "solve_checkpoint_blocks", "solve_dtr", "solve_greedy_checkpoints", "solve_ilp",
+    "solve_rockmate", "solve_rotor",
     "solve_sqrt_segments", "solve_store_all",
 ]

@@ -1,0 +1,159 @@
+"""`solve_rockmate`, the default solver: Rockmate (Zhao et al., ICML 2023).
+
+A flat MILP over a whole model is quadratic in its size; a chain of identical blocks is not.
+So each distinct block (its forward nodes and the backward nodes that differentiate them, see
+`solvers.rotor.block_subgraph`) is solved with Checkmate's MILP for a small grid of budgets on
+its peak and on what its forward keeps for its backward. Each solution is an option: a forward
+sequence, a backward sequence (with its recomputations) and the memory and time of both.
+Rotor's dynamic program then picks one option per block and the checkpointing between blocks.
+
+The result is replayed by the simulator like every schedule. When it does not fit (the chain
+model is approximate) or the graph has no chain (one block), the flat ILP runs with the time
+limit. Whatever happens, the fastest schedule that fits among rockmate's, the flat ILP's and
+the baselines' is returned, so the default is never worse than a baseline.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+from rkgraph.graph import RematGraph
+from solvers.bounds import budget_bounds, format_bytes, memory_lower_bound
+from solvers.greedy_checkpoints import solve_greedy_checkpoints
+from solvers.ilp import memory_unit, solve_ilp
+from solvers.ilp_model import CheckmateMilp, alive_at_stage_starts, stages_of
+from solvers.rotor import BlockOption, build_chain, chain_blocks, measure, schedule_chain, store_all_option
+from solvers.schedule import Schedule
+from solvers.simulate import InfeasibleBudget, schedule_from_computes
+
+log = logging.getLogger(__name__)
+
+# Grid of block budgets, as fractions of the range between the block's least and most memory:
+# the peak over the whole block, and what its forward keeps for its backward.
+PEAK_FRACTIONS = (0.1, 0.5, 1.0)
+KEPT_FRACTIONS = (0.1, 0.5)
+BLOCK_GAP = 0.02  # relative MIP gap of a block solve: options need not be exactly optimal
+
+
+def _dominated(option: BlockOption, others: list[BlockOption]) -> bool:
+    def key(o: BlockOption) -> tuple[float, int, int, int]:
+        return (o.forward_time + o.backward_time, o.kept, o.forward_peak, o.backward_peak)
+
+    mine = key(option)
+    return any(o is not option and all(a <= b for a, b in zip(key(o), mine)) and key(o) != mine
+               for o in others)
+
+
+def _option_of(sub: RematGraph, schedule: Schedule, source: str) -> BlockOption:
+    computes = schedule.computes()
+    forward_count = sum(op.kind == "compute" for op in schedule.forward_ops)
+    return measure(sub, computes, forward_count, source)
+
+
+def block_options(sub: RematGraph, time_limit: float) -> tuple[list[BlockOption], int]:
+    """(options, MILP solves) for one block graph: store-all, checkpoint (forward again in the
+    backward) and the MILP's schedules over the budget grid, dominated options removed."""
+    forward = [n.name for n in sub.forward_nodes]
+    store_all = store_all_option(sub)
+    recompute = measure(sub, [*forward, *forward, *(n.name for n in sub.backward_nodes)], len(forward),
+                        "checkpoint")
+    options = [store_all, recompute]
+    # HiGHS finds bounds fast but good schedules slowly: each solve starts from the fastest
+    # known option that fits its budgets, so a short time limit still yields a good option.
+    lowest = memory_lower_bound(sub)[0]
+    highest = max(store_all.forward_peak, store_all.backward_peak)
+    nf = len(forward)
+    solves = 0
+    deadline = time.perf_counter() + time_limit
+    for peak_fraction in PEAK_FRACTIONS:
+        peak = int(lowest + peak_fraction * (highest - lowest))
+        unit = memory_unit(peak)
+        try:
+            options.append(_option_of(sub, solve_greedy_checkpoints(sub, peak, time_limit=time_limit / 10),
+                                      f"greedy peak {format_bytes(peak)}"))
+        except InfeasibleBudget:
+            pass
+        for kept_fraction in KEPT_FRACTIONS:
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                break
+            kept = int(recompute.kept + kept_fraction * (store_all.kept - recompute.kept))
+            # The model rounds each size up a unit: allow one unit per value, or the options
+            # that fit in bytes (the warm starts) do not fit the model. Options are measured.
+            slack = len(sub.data)
+            model = CheckmateMilp(sub, unit, peak // unit + slack)
+            # Memory after the last forward step, frees included, is what the forward keeps.
+            model.highs.addRow(-math.inf, float(kept // unit + slack), 1, [model.U[nf - 1, nf - 1]], [1.0])
+            fitting = [o for o in options if o.kept <= kept and max(o.forward_peak, o.backward_peak) <= peak]
+            if fitting:
+                start = min(fitting, key=lambda o: o.forward_time + o.backward_time)
+                computes = [*start.forward, *start.backward]
+                stages = stages_of(sub, computes)
+                if stages is not None:
+                    warm = schedule_from_computes(sub, computes, len(start.forward), solver=start.source)
+                    model.warm_start(stages, alive_at_stage_starts(sub, warm, stages))
+            result = model.solve(min(remaining, time_limit / len(PEAK_FRACTIONS) / len(KEPT_FRACTIONS)),
+                                 BLOCK_GAP)
+            solves += 1
+            if result.stages is None:
+                continue
+            computes = [sub.nodes[i].name for stage in result.stages for i in stage]
+            options.append(measure(sub, computes, sum(map(len, result.stages[:nf])),
+                                   f"ilp peak {format_bytes(peak)} kept {format_bytes(kept)}"))
+    unique = list({(o.forward_time + o.backward_time, o.kept, o.forward_peak, o.backward_peak): o
+                   for o in options}.values())
+    return [o for o in unique if not _dominated(o, unique)], solves
+
+
+def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slots: int = 500,
+                   block_time_limit: float = 1.0, **_: object) -> Schedule:
+    """Fastest schedule found within `budget` bytes. `time_limit` bounds the flat-ILP fallback,
+    `block_time_limit` the MILP solves of one distinct block. Raises InfeasibleBudget, with
+    the smallest feasible budget in the message, when nothing fits."""
+    start = time.perf_counter()
+    bounds = budget_bounds(graph)
+    if budget < bounds.lower:
+        raise InfeasibleBudget(f"budget {budget} bytes ({format_bytes(budget)}) is too small: {bounds.describe()}")
+    candidates = [s for s in bounds.candidates if s.predicted_peak <= budget]
+    extra: dict[str, object] = {}
+    store_all = next(s for s in bounds.candidates if s.solver == "store_all")
+    if store_all.predicted_peak > budget:
+        forward_blocks, _ = chain_blocks(graph)
+        chained: Schedule | None = None
+        if len(forward_blocks) > 1:
+            solves = 0
+
+            def options(sub: RematGraph) -> list[BlockOption]:
+                nonlocal solves
+                found, count = block_options(sub, block_time_limit)
+                solves += count
+                return found
+
+            chain = build_chain(graph, options)
+            chained = schedule_chain(graph, chain, budget, slots, "rockmate")
+            rotor = schedule_chain(graph, build_chain(graph), budget, slots, "rotor")
+            candidates += [s for s in (chained, rotor) if s is not None]
+            extra.update({"blocks": len(chain.blocks), "distinct_blocks": chain.distinct, "ilp_solves": solves,
+                          "options_per_block": [len(b.options) for b in chain.blocks]})
+        try:
+            candidates.append(solve_greedy_checkpoints(graph, budget, time_limit=min(2.0, time_limit / 10)))
+        except InfeasibleBudget:
+            pass
+        if chained is None:
+            remaining = max(1.0, time_limit - (time.perf_counter() - start))
+            candidates.append(solve_ilp(graph, budget, time_limit=remaining))
+    if not candidates:
+        raise InfeasibleBudget(f"no schedule found within {budget} bytes ({format_bytes(budget)}); "
+                               f"{bounds.describe()}")
+    best = min(candidates, key=lambda s: (s.predicted_time, s.predicted_peak))
+    extra["schedule_from"] = best.solver
+    for key in ("status", "binaries"):
+        if key in best.extra:
+            extra[key] = best.extra[key]
+    schedule = Schedule(best.ops, best.forward_length, solver="rockmate", budget=budget,
+                        predicted_peak=best.predicted_peak, predicted_time=best.predicted_time,
+                        lower_bound=best.lower_bound, gap=best.gap, extra=extra)
+    schedule.solve_time = time.perf_counter() - start
+    return schedule
