@@ -14,6 +14,7 @@ from solvers.schedule import Op, Schedule
 from solvers.simulate import InfeasibleBudget, InvalidSchedule, SimulationResult, free_at_last_use, simulate
 from solvers.sqrt_segments import solve_sqrt_segments
 from solvers.store_all import solve_store_all
+from solvers.torch_budget import solve_torch_budget
 
 SOLVERS: dict[str, Callable[..., Schedule]] = {
     "store_all": solve_store_all,
@@ -25,11 +26,13 @@ SOLVERS: dict[str, Callable[..., Schedule]] = {
     "rockmate": solve_rockmate,
     "dtr": solve_dtr,
 }
+# solve_torch_budget is not registered: it needs a captured graph (`graph.joint`), and every
+# solver in SOLVERS must run on any graph, imported ones included.
 
 __all__ = [
     "SOLVERS", "InfeasibleBudget", "InvalidSchedule", "Op", "Schedule", "SimulationResult",
     "budget_bounds", "checkmate_reference_peak", "format_bytes", "free_at_last_use", "load_checkmate_graph",
     "min_feasible_budget", "simulate", "solve_checkpoint_blocks", "solve_dtr", "solve_greedy_checkpoints", "solve_ilp",
     "solve_rockmate", "solve_rotor",
-    "solve_sqrt_segments", "solve_store_all",
+    "solve_sqrt_segments", "solve_store_all", "solve_torch_budget",
 ]
