@@ -12,6 +12,7 @@ import copy
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -24,6 +25,10 @@ from rkgraph.capture import FlatCall, flat_tensors, flatten_call, joint_graph, t
 from rkgraph.graph import RematGraph
 from rockplan.budget import format_bytes, parse_budget
 from rockplan.codegen import generate, saved_for_backward
+from rockplan.decisions import decide
+from rockplan.explain import explain
+from rockplan.plan_file import export_plan, load_plan
+from rockplan.plots import plot_memory
 from solvers import SOLVERS, Schedule, simulate, solve_store_all
 
 log = logging.getLogger(__name__)
@@ -67,6 +72,8 @@ class Rockmate(nn.Module):
 
     `sample` is a tensor, a tuple of positional arguments, or `(args, kwargs)`. `budget` is
     bytes, a size string ("1.5GiB") or a ratio of the step memory without rematerialization.
+    `schedule` is a plan file written by `export`: it is checked against the captured graph
+    and used instead of solving (still replayed by the simulator against the budget).
     """
 
     def __init__(
@@ -80,6 +87,7 @@ class Rockmate(nn.Module):
         backend: Literal["eager", "inductor"] = "eager",
         on_new_input: Literal["replan", "error"] = "replan",
         solver_options: dict | None = None,
+        schedule: str | Path | None = None,
     ) -> None:
         super().__init__()
         if solver not in SOLVERS:
@@ -91,6 +99,7 @@ class Rockmate(nn.Module):
         self.backend = backend
         self.on_new_input = on_new_input
         self.solver_options = solver_options or {}
+        self.plan_file = schedule
         self._plans: dict[tuple, Plan] = {}
         args, kwargs = _split_sample(sample)
         self._sample_signature = _signature(model, args, kwargs)
@@ -148,9 +157,12 @@ class Rockmate(nn.Module):
             # A backward that recomputes from a buffer the step mutates gets a copy of it (see
             # codegen); the graph does not count those copies, so when they would not fit,
             # their bytes are held back from the solver's budget and it plans again.
-            schedule = SOLVERS[self.solver](graph, budget, **self.solver_options)
+            if self.plan_file is not None:
+                schedule = load_plan(self.plan_file, graph)
+            else:
+                schedule = SOLVERS[self.solver](graph, budget, **self.solver_options)
             reserved = _copied_buffer_bytes(joint, graph, schedule)
-            if reserved and schedule.predicted_peak + reserved > budget:
+            if reserved and schedule.predicted_peak + reserved > budget and self.plan_file is None:
                 schedule = SOLVERS[self.solver](graph, budget - reserved, **self.solver_options)
                 reserved = _copied_buffer_bytes(joint, graph, schedule)
             simulate(graph, schedule, budget - reserved)  # the referee: never run an unchecked plan
@@ -186,6 +198,24 @@ class Rockmate(nn.Module):
     def train(self, mode: bool = True) -> Rockmate:
         super().train(mode)
         return self
+
+    # --- inspection: what the planner decided, for the current input signature ----------------
+    def export(self, path: str | Path) -> Path:
+        """Write the plan (graph, schedule, decisions) to `path`; reload with `schedule=path`."""
+        return export_plan(self, path)
+
+    def explain(self) -> str:
+        """A terminal table: per block what is kept and recomputed, and totals against baselines."""
+        return explain(self.graph, self.schedule, self._current.store_all)
+
+    def render(self, path: str | Path, collapse: bool | None = None) -> Path:
+        """Draw the graph with the decisions coloured (.pdf, .png or .svg)."""
+        labels = decide(self.graph, self.schedule, self._current.store_all).labels()
+        return self.graph.render(path, decisions=labels, collapse=collapse)
+
+    def plot_memory(self, path: str | Path) -> Path:
+        """Plot memory over one step against store-everything and the budget (needs matplotlib)."""
+        return plot_memory(self.graph, self.schedule, path, self.budget, self._current.store_all)
 
 
 def _inductor(gm: fx.GraphModule, example_inputs: Any) -> Any:
