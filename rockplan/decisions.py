@@ -29,10 +29,15 @@ class Decisions:
         return max(self.computed[name] - 1, 0)
 
     def labels(self) -> dict[str, str]:
-        """`{name: "kept" | "recomputed" | "freed early"}`, as `rkgraph.render` draws them."""
-        labels = {name: "recomputed" for name, count in self.computed.items() if count > 1}
-        labels.update(dict.fromkeys(self.kept, "kept"))
+        """`{name: "kept" | "recomputed" | "freed early"}`, as `rkgraph.render` draws them.
+
+        Compute and data nodes share one namespace there, and an op's first output usually has
+        the op's name; "recomputed" wins such clashes, since a freed-early tensor whose producer
+        runs again is recomputed, and that is the decision worth seeing on the op.
+        """
+        labels = dict.fromkeys(self.kept, "kept")
         labels.update(dict.fromkeys(self.freed_early, "freed early"))
+        labels.update({name: "recomputed" for name, count in self.computed.items() if count > 1})
         return labels
 
 

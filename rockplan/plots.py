@@ -18,14 +18,21 @@ _UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
 
 
 def _steps(graph: RematGraph, schedule: Schedule) -> tuple[list[int], list[float], int]:
-    """x (compute ops run so far) and y (bytes) per op, and the x of the phase boundary."""
+    """x (compute ops run so far) and y (bytes) per compute op, and the x of the phase boundary.
+
+    y is the highest memory between a compute op and the next one: right after the op, before
+    the frees that follow it (drawing every free as its own point makes a comb of spikes).
+    """
     curve = simulate(graph, schedule).curve
-    xs, x = [], 0
-    for op in schedule.ops:
-        x += op.kind == "compute"
-        xs.append(x)
+    xs, ys = [0], [0.0]
+    for op, memory in zip(schedule.ops, curve):
+        if op.kind == "compute":
+            xs.append(xs[-1] + 1)
+            ys.append(float(memory))
+        else:
+            ys[-1] = max(ys[-1], float(memory))
     boundary = sum(op.kind == "compute" for op in schedule.forward_ops)
-    return [0, *xs], [0.0, *map(float, curve)], boundary
+    return xs, ys, boundary
 
 
 def plot_memory(graph: RematGraph, schedule: Schedule, path: str | Path, budget: int | None,
