@@ -280,15 +280,18 @@ def _full_dot(graph: RematGraph, decisions: dict[str, str]) -> graphviz.Digraph:
 
 
 def _decision_summary(names: list[str], graph: RematGraph, decisions: dict[str, str]) -> tuple[str, str | None]:
-    """A line counting the decisions on these nodes and their outputs, and a fill colour when
-    they all agree."""
-    decided = [decisions[n] for n in names if n in decisions]
-    decided += [decisions[d] for n in names for d in graph.node(n).outputs if d in decisions]
+    """A line counting the decisions on these nodes and their outputs, and the fill colour of
+    the most consequential one (recomputed, then freed early, then kept), so a glance down the
+    column tells which blocks run again."""
+    # An op and its first output usually share a name: counted once.
+    named = dict.fromkeys([*names, *(d for n in names for d in graph.node(n).outputs)])
+    decided = [decisions[x] for x in named if x in decisions]
     if not decided:
         return "", None
     counts = {what: decided.count(what) for what in DECISION_COLORS if what in decided}
     line = "\n" + " · ".join(f"{what} {count}" for what, count in counts.items())
-    return line, DECISION_COLORS[decided[0]] if len(counts) == 1 else None
+    strongest = next(what for what in ("recomputed", "freed early", "kept") if what in counts)
+    return line, DECISION_COLORS[strongest]
 
 
 def _collapsed_dot(graph: RematGraph, decisions: dict[str, str]) -> graphviz.Digraph:
