@@ -138,7 +138,7 @@ class _DtrRun:
     def score(self, d: str, memo: dict[str, frozenset[str]]) -> float:
         """Lower is evicted first."""
         size = self.graph.data[d].size
-        staleness = len(self.computes) - self.last_access.get(d, 0) + 1
+        staleness = len(self.computes) - self.last_access[d] + 1
         if self.heuristic == "lru":
             return 1.0 / staleness
         if self.heuristic == "size":
