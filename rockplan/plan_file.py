@@ -217,7 +217,8 @@ def read_plan(path: str | Path) -> PlanFile:
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not JSON: {e}") from None
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
-        hint = " (a bare schedule from Schedule.export: write plans with rk.export)" if "ops" in obj else ""
+        bare = isinstance(obj, dict) and "ops" in obj
+        hint = " (a bare schedule from Schedule.export: write plans with rk.export)" if bare else ""
         raise ValueError(f"{path} is not a rockplan plan file{hint}")
     if obj.get("version") != VERSION:
         raise ValueError(f"{path} is a plan file of version {obj.get('version')}; this rockplan reads "
