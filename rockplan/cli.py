@@ -200,7 +200,9 @@ def parser() -> argparse.ArgumentParser:
     explain.add_argument("plan", help="a plan.json written by rockplan plan or rk.export")
     explain.set_defaults(run=_explain)
 
-    bench = sub.add_parser("bench", help="run the benchmarks (benchmarks/bench.py of a source checkout)")
+    # No -h of its own: `rockplan bench --help` is the script's help.
+    bench = sub.add_parser("bench", help="run the benchmarks (benchmarks/bench.py of a source checkout)",
+                           add_help=False)
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the benchmark script")
     bench.set_defaults(run=_bench)
     return p
