@@ -166,12 +166,12 @@ def _explain(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
+def _bench(rest: Sequence[str]) -> int:
     if not BENCH_SCRIPT.is_file():
         print(f"rockplan: the benchmarks are not installed here ({BENCH_SCRIPT} is missing; they are run "
               "from a source checkout)", file=sys.stderr)
         return 2
-    return subprocess.call([sys.executable, str(BENCH_SCRIPT), *args.rest])
+    return subprocess.call([sys.executable, str(BENCH_SCRIPT), *rest])
 
 
 def parser() -> argparse.ArgumentParser:
@@ -200,15 +200,17 @@ def parser() -> argparse.ArgumentParser:
     explain.add_argument("plan", help="a plan.json written by rockplan plan or rk.export")
     explain.set_defaults(run=_explain)
 
-    # No -h of its own: `rockplan bench --help` is the script's help.
-    bench = sub.add_parser("bench", help="run the benchmarks (benchmarks/bench.py of a source checkout)",
-                           add_help=False)
-    bench.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the benchmark script")
-    bench.set_defaults(run=_bench)
+    # Listed for the help only: main() hands everything after `bench` to the script untouched
+    # (argparse would take the script's own options, --help included, for rockplan's).
+    sub.add_parser("bench", help="run the benchmarks (benchmarks/bench.py of a source checkout); "
+                   "options go to the script")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        return _bench(argv[1:])
     args = parser().parse_args(argv)
     # Progress on a terminal; in tests and pipes only what needs attention.
     quiet = args.quiet or not sys.stderr.isatty()
