@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--size", default="default", choices=["tiny", "default"])
     parser.add_argument("--budget", default="0.5", help="ratio of the step memory, or bytes/units like 200MB")
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--solver", default="ilp")
+    parser.add_argument("--solver", default="rockmate")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     budget: float | str = float(args.budget) if args.budget.replace(".", "", 1).isdigit() else args.budget

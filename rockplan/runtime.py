@@ -82,7 +82,7 @@ class Rockmate(nn.Module):
         sample: Any,
         budget: int | float | str = 1.0,
         *,
-        solver: str = "ilp",
+        solver: str = "rockmate",
         profile: Literal["measure", "estimate"] = "measure",
         backend: Literal["eager", "inductor"] = "eager",
         on_new_input: Literal["replan", "error"] = "replan",

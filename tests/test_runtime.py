@@ -47,7 +47,7 @@ def test_same_gradients_and_budget_honoured(name: str, budget: float | str) -> N
         probe = Rockmate(model, (args, kwargs), 1.0, solver="store_all")
         budget = min_feasible_budget(probe.graph) + probe.reserved
     try:
-        rk = Rockmate(model, (args, kwargs), budget, solver="ilp", solver_options=SOLVER_OPTIONS)
+        rk = Rockmate(model, (args, kwargs), budget, solver_options=SOLVER_OPTIONS)
     except InfeasibleBudget as e:
         assert "smallest feasible budget" in str(e)
         pytest.skip(f"{budget} is below the feasible minimum for {name}")
@@ -71,7 +71,7 @@ def test_parameters_identical_after_three_optimizer_steps(name: str) -> None:
     reference = copy.deepcopy(model)
     probe = Rockmate(model, (args, kwargs), 1.0, solver="store_all")
     budget = max(int(0.5 * probe.store_all_peak), min_feasible_budget(probe.graph) + probe.reserved)
-    rk = Rockmate(model, (args, kwargs), budget, solver="ilp", solver_options=SOLVER_OPTIONS)
+    rk = Rockmate(model, (args, kwargs), budget, solver_options=SOLVER_OPTIONS)
     assert list(rk.parameters()) == list(model.parameters())  # the optimizer sees the same objects
     for module in (rk, reference):
         opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
@@ -91,7 +91,7 @@ def test_recomputed_dropout_reproduces_its_mask() -> None:
     reference = copy.deepcopy(model)
     probe = Rockmate(model, (args, kwargs), 1.0, solver="store_all")
     budget = min_feasible_budget(probe.graph) + probe.reserved
-    rk = Rockmate(model, (args, kwargs), budget, solver="ilp", solver_options=SOLVER_OPTIONS)
+    rk = Rockmate(model, (args, kwargs), budget, solver_options=SOLVER_OPTIONS)
     recomputed = {op.name for op in rk.schedule.backward_ops if op.kind == "compute"}
     assert any(rk.graph.node(name).rng for name in recomputed), "no dropout is recomputed at the minimum"
     planned = _step(rk, args, kwargs)
@@ -190,8 +190,8 @@ def test_an_error_inside_the_backward_loses_nothing() -> None:
 def test_inductor_backend_matches_eager_backend() -> None:
     model, args, kwargs, _ = zoo.make("mlp", "tiny")
     compiled_model, reference = copy.deepcopy(model), copy.deepcopy(model)
-    eager_backend = Rockmate(reference, (args, kwargs), 0.85, solver="ilp", solver_options=SOLVER_OPTIONS)
-    inductor = Rockmate(compiled_model, (args, kwargs), 0.85, solver="ilp", solver_options=SOLVER_OPTIONS,
+    eager_backend = Rockmate(reference, (args, kwargs), 0.85, solver_options=SOLVER_OPTIONS)
+    inductor = Rockmate(compiled_model, (args, kwargs), 0.85, solver_options=SOLVER_OPTIONS,
                         backend="inductor")
     torch.testing.assert_close(_step(inductor, args, kwargs), _step(eager_backend, args, kwargs))
     _assert_same_state(compiled_model, reference, exact=False)
