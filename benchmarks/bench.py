@@ -89,13 +89,14 @@ def interleaved(step_a: Callable[[], object], step_b: Callable[[], object], repe
 def bench_model(name: str, size: str, ratios: list[float], repeats: int, solvers: list[str]) -> list[Row]:
     model, args, kwargs, loss_fn = zoo.make(name, size)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = model.to(device)
+    # The loss inside the module: every method's measured step is the whole step, loss included.
+    model = zoo.WithLoss(model, loss_fn).to(device)
     args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
 
     def step(module: torch.nn.Module) -> Callable[[], object]:
         def run() -> object:
             module.zero_grad(set_to_none=True)
-            loss = loss_fn(module(*args, **kwargs), *args)
+            loss = module(*args, **kwargs)
             loss.backward()
             return loss.detach()
         return run
@@ -111,7 +112,7 @@ def bench_model(name: str, size: str, ratios: list[float], repeats: int, solvers
     rows = [Row(name, 1.0, reference, "eager (store all)", peak(eager), 1.0)]
     logging.info("%s: eager peak %s, predicted store-all %s", name, format_bytes(rows[0].peak), format_bytes(reference))
 
-    blocks = checkpoint_every_block(model, CHECKPOINT_CONTAINERS[name])
+    blocks = checkpoint_every_block(model, [f"model.{c}".rstrip(".") for c in CHECKPOINT_CONTAINERS[name]])
     checkpointed = Row(name, 0.0, 0, "torch.utils.checkpoint per block", peak(blocks),
                        interleaved(step(eager), step(blocks), repeats))
 

@@ -435,3 +435,19 @@ def make(name: str, size: Size = "tiny", seed: int = 0, **options: Any) -> ZooEn
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return ZOO[name](size, **options)
+
+
+class WithLoss(nn.Module):
+    """``model`` followed by its loss, as one module: planning it puts the loss inside the budget.
+
+    The budget covers what runs inside the planned module; a loss computed outside it (a
+    cross-entropy keeps its log-softmax, as large as the logits) is not planned.
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[..., Tensor]) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        return self.loss_fn(self.model(*args, **kwargs), *args)
