@@ -221,17 +221,16 @@ def main(argv: list[str] | None = None) -> None:
     solvers = args.solvers.split(",") if args.solvers else default
     if "rockmate" not in SOLVERS and "ilp" not in solvers:
         solvers.insert(0, "ilp")
+    cpu = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     rows: list[Row] = []
     for name in args.models.split(","):
         rows += bench_model(name, args.size, [float(r) for r in args.ratios.split(",")], args.repeats, solvers)
-    cpu = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu
-    text = markdown(rows, device, args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    pareto_plot(rows, out.with_suffix(".png"))
-    print(text)
+        out.write_text(markdown(rows, device, args))  # after each model: a long run keeps what it measured
+        pareto_plot(rows, out.with_suffix(".png"))
+    print(out.read_text())
 
 
 if __name__ == "__main__":

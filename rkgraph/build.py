@@ -71,7 +71,7 @@ def storage_map(gm: fx.GraphModule) -> StorageMap:
     storage_of: dict[str, str] = {}
     roots: dict[str, fx.Node] = {}
     for node in gm.graph.nodes:
-        if node.op == "placeholder":
+        if node.op in ("placeholder", "get_attr"):
             storage_of[node.name] = node.name
             roots[node.name] = node
         elif node.op != "call_function":
@@ -97,6 +97,9 @@ def build_graph(joint: JointGraph, name: str = "", replay_rng: bool = True) -> R
     storages = storage_map(gm)
 
     data: dict[str, DataNode] = {}
+    # Tensors the trace lifted as constants (a loss's fixed targets): alive before the step.
+    for node in gm.graph.find_nodes(op="get_attr"):
+        data[node.name] = DataNode(node.name, _tensor_bytes(node.meta.get("val")), "buffer")
     primal_index = 0
     for node in gm.graph.find_nodes(op="placeholder"):
         size = _tensor_bytes(node.meta.get("val"))

@@ -45,6 +45,9 @@ class _Emitter:
             return self.env[node.name]
         if is_view(node):
             return self.graph.node_copy(node, self.value)
+        if node.op == "get_attr":  # a constant of the joint module, copied over by GraphModule
+            self.env[node.name] = self.graph.node_copy(node)
+            return self.env[node.name]
         raise CodegenError(f"{node.name} is needed but was freed or never computed")
 
     def compute(self, name: str) -> None:
@@ -122,7 +125,9 @@ def generate(joint: JointGraph, graph: RematGraph, schedule: Any) -> tuple[fx.Gr
     outputs = list(gm.graph.find_nodes(op="output")[0].args[0])
     forward_ops = schedule.ops[: schedule.forward_length]
     backward_ops = schedule.ops[schedule.forward_length:]
-    saved = saved_for_backward(graph, backward_ops)
+    # Constants of the joint module are read by each module directly, never handed over.
+    constants = {n.name for n in gm.graph.find_nodes(op="get_attr")}
+    saved = [d for d in saved_for_backward(graph, backward_ops) if d not in constants]
 
     fw = _Emitter(gm, graph)
     for p in placeholders:
