@@ -189,6 +189,8 @@ def pareto_plot(rows: list[Row], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     models = sorted({r.model for r in rows})
+    methods = sorted({r.method.split(" budget=")[0] for r in rows})
+    colour = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}  # one colour per method
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
     for ax, name in zip(axes[0], models):
         by_method: dict[str, list[tuple[int, float]]] = {}
@@ -197,12 +199,13 @@ def pareto_plot(rows: list[Row], path: Path) -> None:
                 by_method.setdefault(r.method.split(" budget=")[0], []).append((r.peak, r.time_ratio))
         for method, points in sorted(by_method.items()):
             points = sorted(set(points))
-            ax.plot([p / 2**20 for p, _ in points], [t for _, t in points], marker="o", label=method)
+            ax.plot([p / 2**20 for p, _ in points], [t for _, t in points], marker="o", label=method,
+                    color=colour[method])
         ax.set_title(name)
         ax.set_xlabel("measured step peak (MiB)")
         ax.set_ylabel("step time / eager")
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
