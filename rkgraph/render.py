@@ -20,6 +20,7 @@ from pathlib import Path
 
 import graphviz
 
+from rkgraph import units
 from rkgraph.graph import ComputeNode, RematGraph
 
 __all__ = ["COLLAPSE_ABOVE", "DECISION_COLORS", "backward_block_of", "format_bytes", "graph_dot", "render"]
@@ -39,11 +40,7 @@ FORMATS = frozenset({"pdf", "png", "svg"})
 
 
 def format_bytes(size: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(size) < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
+    return units.format_bytes(size, digits=1)  # compact labels
 
 
 def format_time(seconds: float) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from rkgraph.units import format_bytes  # noqa: F401  (part of this module's API)
+
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -32,11 +34,3 @@ def parse_budget(budget: int | float | str, reference: int) -> int:
             )
         return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
     raise TypeError(f"budget must be int, float or str, got {type(budget).__name__}")
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"

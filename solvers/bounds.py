@@ -19,20 +19,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from rkgraph.graph import RematGraph
+from rkgraph.units import format_bytes
 from solvers.checkpoint_blocks import solve_checkpoint_blocks
 from solvers.schedule import Schedule
 from solvers.simulate import schedule_from_computes
 from solvers.sqrt_segments import solve_sqrt_segments
 from solvers.store_all import solve_store_all
-
-
-def format_bytes(n: float) -> str:
-    """Human units, binary prefixes: 1536 -> '1.50 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def needed_nodes(graph: RematGraph) -> set[str]:
