@@ -131,10 +131,10 @@ def build_model(spec: str, shape: str | None, dtype: str, size: str) -> tuple[nn
 
 def _plan(args: argparse.Namespace) -> int:
     from rockplan.runtime import Rockmate
-    from solvers import SOLVERS
+    from solvers import RUNTIME_SOLVERS
 
-    if args.solver not in SOLVERS:
-        raise UsageError(f"unknown solver {args.solver!r}; choose one of {', '.join(sorted(SOLVERS))}")
+    if args.solver not in RUNTIME_SOLVERS:
+        raise UsageError(f"unknown solver {args.solver!r}; choose one of {', '.join(sorted(RUNTIME_SOLVERS))}")
     budget = parse_budget_arg(args.budget)
     model, sample_args, sample_kwargs = build_model(args.model, args.shape, args.dtype, args.size)
     log.info("capturing %s and solving with %s (budget %s)...", type(model).__name__, args.solver, args.budget)

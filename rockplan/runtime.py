@@ -29,7 +29,7 @@ from rockplan.decisions import decide
 from rockplan.explain import explain
 from rockplan.plan_file import export_plan, load_plan
 from rockplan.plots import plot_memory
-from solvers import SOLVERS, Schedule, simulate, solve_store_all
+from solvers import RUNTIME_SOLVERS, Schedule, simulate, solve_store_all
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,8 @@ class Rockmate(nn.Module):
         schedule: str | Path | None = None,
     ) -> None:
         super().__init__()
-        if solver not in SOLVERS:
-            raise ValueError(f"unknown solver {solver!r}; choose one of {sorted(SOLVERS)}")
+        if solver not in RUNTIME_SOLVERS:
+            raise ValueError(f"unknown solver {solver!r}; choose one of {sorted(RUNTIME_SOLVERS)}")
         self.model = model
         self.budget_spec = budget
         self.solver = solver
@@ -160,10 +160,10 @@ class Rockmate(nn.Module):
             if self.plan_file is not None:
                 schedule = load_plan(self.plan_file, graph)
             else:
-                schedule = SOLVERS[self.solver](graph, budget, **self.solver_options)
+                schedule = RUNTIME_SOLVERS[self.solver](graph, budget, **self.solver_options)
             reserved = _copied_buffer_bytes(joint, graph, schedule)
             if reserved and schedule.predicted_peak + reserved > budget and self.plan_file is None:
-                schedule = SOLVERS[self.solver](graph, budget - reserved, **self.solver_options)
+                schedule = RUNTIME_SOLVERS[self.solver](graph, budget - reserved, **self.solver_options)
                 reserved = _copied_buffer_bytes(joint, graph, schedule)
             simulate(graph, schedule, budget - reserved)  # the referee: never run an unchecked plan
             result.update(graph=graph, schedule=schedule, budget=budget, store_all=store_all, reserved=reserved)

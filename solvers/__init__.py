@@ -26,11 +26,14 @@ SOLVERS: dict[str, Callable[..., Schedule]] = {
     "rockmate": solve_rockmate,
     "dtr": solve_dtr,
 }
-# solve_torch_budget is not registered: it needs a captured graph (`graph.joint`), and every
-# solver in SOLVERS must run on any graph, imported ones included.
+# Every solver in SOLVERS runs on any graph, imported ones included; these need a captured
+# graph (`graph.joint`), so the runtime offers them but graph-only tools do not.
+CAPTURED_GRAPH_SOLVERS: dict[str, Callable[..., Schedule]] = {"torch_budget": solve_torch_budget}
+RUNTIME_SOLVERS = SOLVERS | CAPTURED_GRAPH_SOLVERS
 
 __all__ = [
-    "SOLVERS", "InfeasibleBudget", "InvalidSchedule", "Op", "Schedule", "SimulationResult",
+    "CAPTURED_GRAPH_SOLVERS", "RUNTIME_SOLVERS", "SOLVERS",
+    "InfeasibleBudget", "InvalidSchedule", "Op", "Schedule", "SimulationResult",
     "budget_bounds", "checkmate_reference_peak", "format_bytes", "free_at_last_use", "load_checkmate_graph",
     "min_feasible_budget", "simulate", "solve_checkpoint_blocks", "solve_dtr", "solve_greedy_checkpoints", "solve_ilp",
     "solve_rockmate", "solve_rotor",
