@@ -56,7 +56,6 @@ def _tensor_bytes(val: object) -> int:
 class _Group:
     head: fx.Node
     ops: list[fx.Node] = field(default_factory=list)  # allocating ops and their getitems
-    storages: list[str] = field(default_factory=list)  # storages it allocates, in order
 
 
 @dataclass
@@ -65,6 +64,9 @@ class StorageMap:
 
     storage_of: dict[str, str]  # fx node name -> data node name
     root_of: dict[str, fx.Node]  # data node name -> fx node holding the whole storage
+
+    def of(self, node: fx.Node) -> str:
+        return self.storage_of[node.name]
 
 
 def storage_map(gm: fx.GraphModule) -> StorageMap:
@@ -120,8 +122,7 @@ def build_graph(joint: JointGraph, name: str = "", replay_rng: bool = True) -> R
             group.ops.append(node)
             group_of[node.name] = group
             continue
-        producers = {group_of[storage_of_input(storages, a)] for a in _tensor_inputs(node)
-                     if storage_of_input(storages, a) in group_of}
+        producers = {group_of[storages.of(a)] for a in _tensor_inputs(node) if storages.of(a) in group_of}
         # Only forward chains are grouped: a backward chain's inputs (gradients) usually die
         # inside it, which a group's workspace, charged on top of its inputs, would overstate.
         if _is_pointwise(node) and not is_random(node) and len(producers) == 1 and not is_backward(node):
@@ -142,16 +143,16 @@ def build_graph(joint: JointGraph, name: str = "", replay_rng: bool = True) -> R
         if node.op != "call_function" or is_view(node):
             continue
         for a in _tensor_inputs(node):
-            s = storage_of_input(storages, a)
+            s = storages.of(a)
             if s in group_of and group_of[s] is not group_of[node.name]:
                 escaping.add(s)
-    required = [storage_of_input(storages, o) for o in outputs if isinstance(o, fx.Node)]
+    required = [storages.of(o) for o in outputs if isinstance(o, fx.Node)]
     escaping.update(s for s in required if s in group_of)
 
     # 3. Compute nodes with exact output sizes and the workspace of their internal temporaries.
     nodes: list[ComputeNode] = []
     for group in groups:
-        outs, inputs, workspace = _group_dataflow(group, storages, group_of, escaping)
+        outs, inputs, workspace = _group_dataflow(group, storages, escaping)
         head = group.head
         draws_random = any(is_random(n) for n in group.ops)
         for s in outs:
@@ -169,30 +170,28 @@ def build_graph(joint: JointGraph, name: str = "", replay_rng: bool = True) -> R
             fx_nodes=tuple(n.name for n in group.ops),
         ))
 
-    fwd = [storage_of_input(storages, o) for o in outputs[: joint.num_fwd_outputs] if isinstance(o, fx.Node)]
-    bwd = [storage_of_input(storages, o) for o in outputs[joint.num_fwd_outputs:] if isinstance(o, fx.Node)]
+    def storages_of(values: list) -> tuple[str, ...]:
+        """Distinct data nodes behind graph outputs (None for inputs that get no gradient)."""
+        return tuple(dict.fromkeys(storages.of(o) for o in values if isinstance(o, fx.Node)))
+
+    n_fwd = joint.num_fwd_outputs
     # AOTAutograd lists the new values of mutated inputs first, then the user's outputs.
-    user = [storage_of_input(storages, o) for o in outputs[len(joint.mutated): joint.num_fwd_outputs]
-            if isinstance(o, fx.Node)]
-    graph = RematGraph(nodes, data, tuple(dict.fromkeys(fwd)), tuple(dict.fromkeys(bwd)), name=name,
-                       user_outputs=tuple(d for d in dict.fromkeys(user) if data[d].kind not in SOURCE_KINDS))
+    user = storages_of(outputs[len(joint.mutated): n_fwd])
+    graph = RematGraph(nodes, data, storages_of(outputs[:n_fwd]), storages_of(outputs[n_fwd:]), name=name,
+                       user_outputs=tuple(d for d in user if data[d].kind not in SOURCE_KINDS))
     graph.validate()
     return graph
 
 
-def storage_of_input(storages: StorageMap, node: fx.Node) -> str:
-    return storages.storage_of[node.name]
-
-
-def _group_dataflow(group: _Group, storages: StorageMap, group_of: dict, escaping: set[str]):
+def _group_dataflow(group: _Group, storages: StorageMap, escaping: set[str]):
     """Outputs, inputs and workspace of a group, by replaying its ops with frees at last use."""
     members = {n.name for n in group.ops}
     allocated: list[str] = []
     inputs: list[str] = []
     for n in group.ops:
         for a in _tensor_inputs(n):
-            s = storage_of_input(storages, a)
-            if s not in members and s not in inputs and a.name not in members:
+            s = storages.of(a)
+            if s not in members and s not in inputs:
                 inputs.append(s)
         if n.target is operator.getitem or isinstance(n.meta.get("val"), torch.Tensor):
             allocated.append(n.name)
@@ -202,7 +201,7 @@ def _group_dataflow(group: _Group, storages: StorageMap, group_of: dict, escapin
     last_use: dict[str, int] = {}
     for i, n in enumerate(group.ops):
         for a in _tensor_inputs(n):
-            last_use[storage_of_input(storages, a)] = i
+            last_use[storages.of(a)] = i
     live, peak = 0, 0
     alive: dict[str, int] = {}
     for i, n in enumerate(group.ops):
