@@ -2,7 +2,9 @@
 
 Lower bound (sound: no schedule of any solver can peak below it):
 - every node that a required output depends on runs at least once, and while it runs its
-  non-source inputs, all its outputs and its workspace are allocated at the same time;
+  non-source inputs, all its outputs and its workspace are allocated at the same time, and so
+  are the backward outputs its ancestors made: they were made before it and are never freed
+  (the parameter gradients of a whole model, at its last backward nodes);
 - at the phase boundary the forward outputs are alive and the tangents appear;
 - at the end every backward output is alive.
 
@@ -56,13 +58,34 @@ def memory_lower_bound(graph: RematGraph) -> tuple[int, str]:
                    "backward outputs and the user's forward outputs alive at the end")]
     # Tangents and the user's outputs are held through the whole backward phase.
     held_in_backward = [*tangents, *graph.user_outputs]
+    gradients = [(graph.index[producer], d) for d in dict.fromkeys(graph.backward_outputs)
+                 if (producer := graph.data[d].producer) is not None]
+    ancestors = _ancestors(graph)
     for name in needed_nodes(graph):
+        k = graph.index[name]
         node = graph.node(name)
         held = [d for d in held_in_backward if d not in node.inputs] if node.backward else []
-        candidates.append((size(node.inputs) + size(node.outputs) + node.workspace + size(held),
-                           f"node {name} needs its inputs, outputs and workspace at once"
-                           + (", while the tangents and the user's outputs are held" if held else "")))
+        before = [d for i, d in gradients if ancestors[k] >> i & 1]
+        reason = f"node {name} needs its inputs, outputs and workspace at once"
+        if held or before:
+            reason += ", while the tangents, the user's outputs and the gradients made before it are held"
+        extra = [d for d in dict.fromkeys([*held, *before]) if d not in node.inputs and d not in node.outputs]
+        candidates.append((size(node.inputs) + size(node.outputs) + node.workspace + size(extra), reason))
     return max(candidates)
+
+
+def _ancestors(graph: RematGraph) -> list[int]:
+    """Per node (graph order is topological), the set of nodes it depends on, as a bitmask."""
+    result: list[int] = []
+    for node in graph.nodes:
+        mask = 0
+        for d in node.inputs:
+            producer = graph.data[d].producer
+            if producer is not None:
+                p = graph.index[producer]
+                mask |= result[p] | (1 << p)
+        result.append(mask)
+    return result
 
 
 def min_memory_schedule(graph: RematGraph, checkpoints: Iterable[str] = (), solver: str = "min_memory",
