@@ -28,7 +28,11 @@ def load_checkmate_graph(path: str | Path) -> RematGraph:
         consumers[link["source"]] += 1
     data = {f"{names[i]}:out": DataNode(f"{names[i]}:out", int(by_id[i]["cost_ram"]), "activation", names[i])
             for i in by_id}
-    nodes = [ComputeNode(names[n["id"]], tuple(f"{names[p]}:out" for p in sorted(preds[n["id"]])),
+    # The files leave the model's input implicit; forward nodes without a predecessor read it.
+    # Without it every forward value would look input-independent (a constant of the step).
+    data["input"] = DataNode("input", 0, "input")
+    nodes = [ComputeNode(names[n["id"]], tuple(f"{names[p]}:out" for p in sorted(preds[n["id"]]))
+                         or (() if n["backward"] else ("input",)),
                          (f"{names[n['id']]}:out",), backward=bool(n["backward"]),
                          time=float(n["cost_cpu"])) for n in raw]
     last_forward = [n for n in nodes if not n.backward][-1]
