@@ -42,12 +42,11 @@ class ZooEntry(NamedTuple):
     loss_fn: Callable[..., Tensor]  # loss_fn(output, *args) -> scalar
 
 
-def _pick(size: Size, tiny: dict[str, Any], default: dict[str, Any]) -> dict[str, Any]:
-    if size == "tiny":
-        return tiny
-    if size == "default":
-        return default
-    raise ValueError(f"unknown size {size!r}: expected 'tiny' or 'default'")
+def _pick(size: str, tiny: dict[str, Any], default: dict[str, Any], **more: dict[str, Any]) -> dict[str, Any]:
+    sizes = {"tiny": tiny, "default": default, **more}
+    if size not in sizes:
+        raise ValueError(f"unknown size {size!r}: expected one of {', '.join(map(repr, sizes))}")
+    return sizes[size]
 
 
 # --- mlp -------------------------------------------------------------------------------------
@@ -383,10 +382,12 @@ def _gpt2_logits_class() -> type[nn.Module]:
     return GPT2Logits
 
 
-def hf_gpt2(size: Size = "tiny", n_layer: int | None = None, attn_implementation: str = "sdpa") -> ZooEntry:
+def hf_gpt2(size: str = "tiny", n_layer: int | None = None, attn_implementation: str = "sdpa") -> ZooEntry:
     """Hugging Face GPT-2 with random weights (HF's default dropout 0.1); next-token loss.
 
-    Needs ``transformers``; ``n_layer`` overrides the size's depth.
+    Needs ``transformers``; ``n_layer`` overrides the size's depth. Besides "tiny" and
+    "default", ``size="gpt2"`` is GPT-2 small's shape (12 layers, 768 wide, vocabulary 50257)
+    at sequence 512, batch 1: the planning-speed benchmark's model (124M parameters).
     """
     from transformers import GPT2Config
 
@@ -394,6 +395,7 @@ def hf_gpt2(size: Size = "tiny", n_layer: int | None = None, attn_implementation
         size,
         tiny={"batch": 8, "seq": 64, "vocab_size": 128, "n_layer": 2, "n_head": 2, "n_embd": 32},
         default={"batch": 4, "seq": 256, "vocab_size": 8192, "n_layer": 6, "n_head": 6, "n_embd": 384},
+        gpt2={"batch": 1, "seq": 512, "vocab_size": 50257, "n_layer": 12, "n_head": 12, "n_embd": 768},
     )
     config = GPT2Config(
         vocab_size=cfg["vocab_size"],
@@ -425,7 +427,7 @@ if HAS_TRANSFORMERS:
     ZOO["hf_gpt2"] = hf_gpt2
 
 
-def make(name: str, size: Size = "tiny", seed: int = 0, **options: Any) -> ZooEntry:
+def make(name: str, size: str = "tiny", seed: int = 0, **options: Any) -> ZooEntry:
     """Build zoo entry ``name`` with weights, inputs and targets drawn from ``seed``.
 
     The caller's global RNG state is left as it was; ``options`` go to the factory.

@@ -1,0 +1,89 @@
+"""Planning speed on GPT-2 small's shape: capture, then every solver across the budget range.
+
+    python benchmarks/plan_gpt2.py                  # 12 layers, 768 wide, sequence 512, batch 1
+    python benchmarks/plan_gpt2.py --output docs/benchmarks-gpt2-planning.md
+
+The target of the solvers issue: rockmate plans a 12-layer, 768-wide GPT-2 in under 10 s on a
+2-core CPU at any budget from the no-rematerialization peak down to near the minimum. Costs are
+the roofline estimate (`profile="estimate"`): planning speed does not depend on where they come
+from, and measuring 700 nodes would dominate the run. The loss is inside the planned module.
+Budgets are fractions of the store-all peak, plus the smallest feasible budget found and a
+budget between the proven floor and it (where the answer must be a quick, clear refusal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import rkgraph  # noqa: E402
+from rockplan import zoo  # noqa: E402
+from solvers import SOLVERS, InfeasibleBudget, budget_bounds, format_bytes  # noqa: E402
+
+METHODS = ("rockmate", "rotor", "dtr", "checkpoint_blocks")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="gpt2", help="hf_gpt2 size (default: GPT-2 small's shape)")
+    parser.add_argument("--ratios", default="1.0,0.95,0.9,0.85,0.8")
+    parser.add_argument("--output", type=Path, help="also write the table to this markdown file")
+    args = parser.parse_args()
+
+    model, inputs, kwargs, loss_fn = zoo.make("hf_gpt2", args.size)
+    start = time.perf_counter()
+    graph = rkgraph.capture(zoo.WithLoss(model, loss_fn), inputs, kwargs, profile="estimate")
+    capture_time = time.perf_counter() - start
+    bounds = budget_bounds(graph)
+    store_all = SOLVERS["store_all"](graph)
+    reference = store_all.predicted_peak
+    budgets = [(f"{r:.2f}", int(float(r) * reference)) for r in args.ratios.split(",")]
+    budgets += [("smallest found", bounds.upper)]
+    if not bounds.exact:
+        budgets += [("between floor and smallest found", (bounds.lower + bounds.upper) // 2)]
+
+    lines = [
+        f"Measured {datetime.date.today()} on {platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}: `python benchmarks/plan_gpt2.py`.",
+        "",
+        f"Model: hf_gpt2 size {args.size!r}, {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, "
+        f"input {tuple(inputs[0].shape)}. Captured in {capture_time:.1f} s: {len(graph.forward_nodes)} forward + "
+        f"{len(graph.backward_nodes)} backward nodes, {len(graph.blocks)} blocks, "
+        f"{len(set(graph.block_classes))} classes. Store-all peak {format_bytes(reference)}; "
+        f"{bounds.describe()}.",
+        "",
+        "Cells: solve time / predicted overhead / peak as a fraction of the store-all peak.",
+        "",
+        f"| budget | {' | '.join(METHODS)} |",
+        f"|---|{'---|' * len(METHODS)}",
+    ]
+    print("\n".join(lines), flush=True)
+    for label, budget in budgets:
+        cells = []
+        for method in METHODS:
+            start = time.perf_counter()
+            try:
+                s = SOLVERS[method](graph, budget)
+                elapsed = time.perf_counter() - start
+                cells.append(f"{elapsed:.1f} s / {s.predicted_time / store_all.predicted_time - 1:.1%} / "
+                             f"{s.predicted_peak / reference:.3f}")
+            except InfeasibleBudget:
+                cells.append(f"{time.perf_counter() - start:.1f} s / infeasible")
+            except Exception as error:  # noqa: BLE001  (a benchmark reports every failure and goes on)
+                cells.append(f"error: {type(error).__name__}")
+        lines.append(f"| {label} ({format_bytes(budget)}) | {' | '.join(cells)} |")
+        print(lines[-1], flush=True)
+    if args.output:
+        args.output.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
