@@ -42,7 +42,7 @@ class Decisions:
 
 
 def decide(graph: RematGraph, schedule: Schedule, store_all: Schedule) -> Decisions:
-    kept = schedule.saved_for_backward(graph)
+    kept = schedule.alive_at_boundary(graph)
     kept_set = set(kept)
-    freed = [d for d in store_all.saved_for_backward(graph) if d not in kept_set]
+    freed = [d for d in store_all.alive_at_boundary(graph) if d not in kept_set]
     return Decisions(Counter(schedule.computes()), kept, freed)

@@ -57,11 +57,11 @@ class Schedule:
         """Compute node names in execution order (with repetitions for recomputations)."""
         return [op.name for op in self.ops if op.kind == "compute"]
 
-    def saved_for_backward(self, graph: RematGraph) -> list[str]:
+    def alive_at_boundary(self, graph: RematGraph) -> list[str]:
         """Non-source data alive at the phase boundary, in order of their (last) computation.
 
-        This is what the forward pass must hand over to the backward pass (forward outputs
-        included: the runtime tells them apart through `graph.forward_outputs`).
+        What the forward leaves for the backward, forward outputs included (the runtime tells
+        them apart through `graph.forward_outputs`), before the backward's own frees.
         """
         alive: dict[str, None] = {}  # an ordered set
         for op in self.forward_ops:

@@ -67,7 +67,7 @@ def test_store_all_on_chain_of_four() -> None:
     # Boundary: x0..x3 + tangent = 50; b3 frees x3 and makes g3.x2 + gw3 (51), frees x2 (41);
     # b2 makes g2.x1 + gw2: 52. The tangent is held by autograd until the backward returns.
     assert s.predicted_peak == 52 and s.predicted_time == 12
-    assert s.saved_for_backward(graph) == ["x0", "x1", "x2", "x3"]
+    assert s.alive_at_boundary(graph) == ["x0", "x1", "x2", "x3"]
 
 
 def test_ilp_recomputes_the_cheapest_node_on_chain_of_four() -> None:
@@ -97,7 +97,7 @@ def test_checkpoint_blocks_recomputes_each_block_before_its_backward() -> None:
     graph = training_graph([10] * 4, block_size=2)
     s = solve_checkpoint_blocks(graph)
     # Forward keeps block inputs only (x1 leaves block 0); x0 and x2 are dropped, x3 is the loss.
-    assert s.saved_for_backward(graph) == ["x1", "x3"]
+    assert s.alive_at_boundary(graph) == ["x1", "x3"]
     assert computes(s) == ["f0", "f1", "f2", "f3", "f2", "b3", "b2", "f0", "b1", "b0"]
     simulate(graph, s, s.predicted_peak)
 
@@ -105,7 +105,7 @@ def test_checkpoint_blocks_recomputes_each_block_before_its_backward() -> None:
 def test_sqrt_segments_uses_about_sqrt_n_segments() -> None:
     graph = chain_graph(9)
     s = solve_sqrt_segments(graph)
-    assert s.saved_for_backward(graph) == ["x2", "x5", "x8"]  # 3 segments of 3
+    assert s.alive_at_boundary(graph) == ["x2", "x5", "x8"]  # 3 segments of 3
     assert s.predicted_peak < solve_store_all(graph).predicted_peak
 
 
