@@ -208,7 +208,12 @@ def trace(
     # Ops with no tensor inputs (arange) make real constants when the fake forward runs.
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes = [mode.from_tensor(t) for t in tensors]
-    with _module_path_annotations(model), fx_traceback.preserve_node_meta(), torch.enable_grad():
+    with (
+        _native_kernels(),
+        _module_path_annotations(model),
+        fx_traceback.preserve_node_meta(),
+        torch.enable_grad(),
+    ):
         try:
             compiled(*fakes)
         except _PlanningFailed as e:
@@ -241,6 +246,36 @@ def joint_graph(flat: FlatCall, joint: fx.GraphModule, num_fwd_outputs: int) -> 
     primals = [p.name for p in joint.graph.find_nodes(op="placeholder") if not p.name.startswith("tangents")]
     mutated = frozenset(primals[i] for i in flat.mutated)
     return JointGraph(joint, num_fwd_outputs, kinds, names, mutated)
+
+
+# Ops whose Python decomposition torch._decomp registers for the Autograd and
+# CompositeImplicitAutograd keys (py_impl), which AOTAutograd's tracing takes in place of the
+# ATen kernel. Eager runs the kernel: one output in the forward, `upsample_bilinear2d_backward`
+# in the backward. The decomposition gathers four corner images and blends them, with full-size
+# temporaries on both sides (UNet's bilinear upsample). Tracing without it keeps the graph's
+# ops, memory and times those of eager; an explicit decomposition table (inductor's) still
+# applies below autograd.
+_KEEP_NATIVE = (torch.ops.aten.upsample_bilinear2d.vec, torch.ops.aten.upsample_bilinear2d.default)
+_DECOMPOSING_KEYS = (torch._C.DispatchKey.Autograd, torch._C.DispatchKey.CompositeImplicitAutograd)
+
+
+@contextlib.contextmanager
+def _native_kernels():
+    """Hide the Python decompositions of `_KEEP_NATIVE` while tracing; restored on exit.
+
+    The same save/override/restore of `py_kernels` as torch.export's
+    `_override_composite_implicit_decomp`. The `.vec` overload then goes through its C++
+    composite, which calls the `.default` kernel and records its native backward.
+    """
+    saved = {op: {k: op.py_kernels.pop(k) for k in _DECOMPOSING_KEYS if k in op.py_kernels} for op in _KEEP_NATIVE}
+    for op in _KEEP_NATIVE:
+        op._dispatch_cache.clear()  # the Python dispatcher caches the kernel resolved per key
+    try:
+        yield
+    finally:
+        for op, kernels in saved.items():
+            op.py_kernels.update(kernels)
+            op._dispatch_cache.clear()
 
 
 @contextlib.contextmanager

@@ -144,3 +144,29 @@ def test_nothing_requires_grad(net: Net) -> None:
     net.requires_grad_(False)
     with pytest.raises(ValueError, match="nothing in Net or its inputs requires grad"):
         rkgraph.capture(net, torch.randn(4, 8))
+
+
+def test_bilinear_upsample_keeps_its_aten_kernel() -> None:
+    """Captured as eager runs it (the kernel and its native backward), not through the Python
+    decomposition torch._decomp registers for it; that is registered again afterwards, also
+    when capture fails."""
+    aten = torch.ops.aten
+    registered = {op: dict(op.py_kernels) for op in (aten.upsample_bilinear2d.vec, aten.upsample_bilinear2d.default)}
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Upsample(scale_factor=2, mode="bilinear"))
+    ops = {n.op for n in rkgraph.capture(model, torch.randn(2, 3, 8, 8)).nodes}
+    assert {"aten.upsample_bilinear2d.default", "aten.upsample_bilinear2d_backward.default"} <= ops
+    assert not any("index" in op for op in ops)
+    assert {op: dict(op.py_kernels) for op in registered} == registered
+
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = model
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.up(x)
+            return y * 2 if y.sum() > 0 else y  # depends on values: not capturable
+
+    with pytest.raises(CaptureError):
+        rkgraph.capture(Branchy(), torch.randn(2, 3, 8, 8))
+    assert {op: dict(op.py_kernels) for op in registered} == registered
