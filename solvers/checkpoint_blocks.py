@@ -13,7 +13,7 @@ import time
 
 from rkgraph.graph import RematGraph
 from solvers.schedule import Schedule
-from solvers.simulate import schedule_from_computes
+from solvers.simulate import fixed_schedule
 
 
 def separator_pieces(graph: RematGraph) -> list[list[str]]:
@@ -87,7 +87,7 @@ def solve_checkpoint_blocks(graph: RematGraph, budget: int | None = None, **opti
     """Checkpoint each block of `graph.blocks` (derived when empty). `options` are ignored."""
     start = time.perf_counter()
     blocks = [list(b) for b in graph.blocks] or derived_blocks(graph)
-    schedule = schedule_from_computes(graph, segment_recompute_order(graph, blocks),
+    schedule = fixed_schedule(graph, segment_recompute_order(graph, blocks),
                                       len(graph.forward_nodes), solver="checkpoint_blocks",
                                       budget=budget)
     schedule.solve_time = time.perf_counter() - start

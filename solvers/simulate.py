@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from rkgraph.graph import RematGraph
+from rkgraph.units import format_bytes
 from solvers.schedule import Op, Schedule
 
 
@@ -253,4 +254,17 @@ def schedule_from_computes(graph: RematGraph, computes: Sequence[str], forward_c
     result = simulate(graph, schedule, budget)
     schedule.predicted_peak = result.peak
     schedule.predicted_time = result.time
+    return schedule
+
+
+def fixed_schedule(graph: RematGraph, computes: Sequence[str], forward_count: int, *, solver: str,
+                   budget: int | None) -> Schedule:
+    """A baseline's one schedule, whatever the budget: InfeasibleBudget (the method cannot fit,
+    its peak in the message) when it peaks above `budget`."""
+    schedule = schedule_from_computes(graph, computes, forward_count, solver=solver)
+    if budget is not None and schedule.predicted_peak > budget:
+        raise InfeasibleBudget(f"{solver} peaks at {schedule.predicted_peak} bytes "
+                               f"({format_bytes(schedule.predicted_peak)}), above the budget of {budget} bytes "
+                               f"({format_bytes(budget)})")
+    schedule.budget = budget
     return schedule

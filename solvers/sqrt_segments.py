@@ -13,7 +13,7 @@ import time
 from rkgraph.graph import RematGraph
 from solvers.checkpoint_blocks import segment_recompute_order, separator_pieces
 from solvers.schedule import Schedule
-from solvers.simulate import schedule_from_computes
+from solvers.simulate import fixed_schedule
 
 
 def sqrt_segments(graph: RematGraph, segments: int | None = None) -> list[list[str]]:
@@ -38,7 +38,7 @@ def solve_sqrt_segments(graph: RematGraph, budget: int | None = None, segments: 
     """`segments`: number of segments (default sqrt of the forward length); others ignored."""
     start = time.perf_counter()
     computes = segment_recompute_order(graph, sqrt_segments(graph, segments))
-    schedule = schedule_from_computes(graph, computes, len(graph.forward_nodes),
+    schedule = fixed_schedule(graph, computes, len(graph.forward_nodes),
                                       solver="sqrt_segments", budget=budget)
     schedule.solve_time = time.perf_counter() - start
     return schedule

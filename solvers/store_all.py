@@ -7,14 +7,14 @@ import time
 
 from rkgraph.graph import RematGraph
 from solvers.schedule import Schedule
-from solvers.simulate import schedule_from_computes
+from solvers.simulate import fixed_schedule
 
 
 def solve_store_all(graph: RematGraph, budget: int | None = None, **options: object) -> Schedule:
     """`options` are accepted (and ignored) so every solver shares one call signature."""
     start = time.perf_counter()
     computes = [n.name for n in graph.nodes]
-    schedule = schedule_from_computes(graph, computes, len(graph.forward_nodes),
+    schedule = fixed_schedule(graph, computes, len(graph.forward_nodes),
                                       solver="store_all", budget=budget)
     schedule.solve_time = time.perf_counter() - start
     return schedule
