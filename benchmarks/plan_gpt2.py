@@ -45,7 +45,7 @@ def main() -> None:
     bounds = budget_bounds(graph)
     store_all = SOLVERS["store_all"](graph)
     reference = store_all.predicted_peak
-    budgets = [(f"{r:.2f}", int(float(r) * reference)) for r in args.ratios.split(",")]
+    budgets = [(f"{float(r):.2f}", int(float(r) * reference)) for r in args.ratios.split(",")]
     budgets += [("smallest found", bounds.upper)]
     if not bounds.exact:
         budgets += [("between floor and smallest found", (bounds.lower + bounds.upper) // 2)]
