@@ -17,6 +17,7 @@ minimum is known exactly.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -46,32 +47,94 @@ def needed_nodes(graph: RematGraph) -> set[str]:
     return needed
 
 
-def memory_lower_bound(graph: RematGraph) -> tuple[int, str]:
-    """(bytes, reason): no schedule can peak below this; the reason names what forces it."""
-    def size(names: object) -> int:
-        return sum(graph.data[d].size for d in dict.fromkeys(names) if not graph.is_source(d))
+def _size(graph: RematGraph, names: Iterable[str]) -> int:
+    return sum(graph.data[d].size for d in dict.fromkeys(names) if not graph.is_source(d))
 
+
+def _step_floors(graph: RematGraph, ancestors: list[int]) -> dict[str, tuple[int, list[str], str]]:
+    """Per needed node: (bytes alive while it runs in any schedule, the data they are, why).
+    Its inputs, outputs and workspace; for a backward node also the tangents and the user's
+    outputs (held through the backward) and the gradients its ancestors made (made before it,
+    never freed: the parameter gradients of a whole model, at its last backward nodes)."""
     tangents = [d for d, dn in graph.data.items() if dn.kind == "tangent"]
-    candidates = [(size(graph.forward_outputs) + size(tangents),
-                   "forward outputs and tangents alive together at the phase boundary"),
-                  (size([*graph.backward_outputs, *graph.user_outputs]),
-                   "backward outputs and the user's forward outputs alive at the end")]
-    # Tangents and the user's outputs are held through the whole backward phase.
     held_in_backward = [*tangents, *graph.user_outputs]
     gradients = [(graph.index[producer], d) for d in dict.fromkeys(graph.backward_outputs)
                  if (producer := graph.data[d].producer) is not None]
-    ancestors = _ancestors(graph)
+    floors = {}
     for name in needed_nodes(graph):
-        k = graph.index[name]
         node = graph.node(name)
-        held = [d for d in held_in_backward if d not in node.inputs] if node.backward else []
-        before = [d for i, d in gradients if ancestors[k] >> i & 1]
+        held = held_in_backward if node.backward else []
+        before = [d for i, d in gradients if ancestors[graph.index[name]] >> i & 1]
+        alive = list(dict.fromkeys([*node.inputs, *node.outputs, *held, *before]))
         reason = f"node {name} needs its inputs, outputs and workspace at once"
-        if held or before:
+        if set(alive) - {*node.inputs, *node.outputs}:
             reason += ", while the tangents, the user's outputs and the gradients made before it are held"
-        extra = [d for d in dict.fromkeys([*held, *before]) if d not in node.inputs and d not in node.outputs]
-        candidates.append((size(node.inputs) + size(node.outputs) + node.workspace + size(extra), reason))
+        floors[name] = (_size(graph, alive) + node.workspace, alive, reason)
+    return floors
+
+
+def memory_lower_bound(graph: RematGraph) -> tuple[int, str]:
+    """(bytes, reason): no schedule can peak below this; the reason names what forces it."""
+    tangents = [d for d, dn in graph.data.items() if dn.kind == "tangent"]
+    candidates = [(_size(graph, graph.forward_outputs) + _size(graph, tangents),
+                   "forward outputs and tangents alive together at the phase boundary"),
+                  (_size(graph, [*graph.backward_outputs, *graph.user_outputs]),
+                   "backward outputs and the user's forward outputs alive at the end")]
+    candidates += [(floor, reason) for floor, _, reason in _step_floors(graph, _ancestors(graph)).values()]
     return max(candidates)
+
+
+def time_lower_bound(graph: RematGraph, budget: int, steps: int = 64) -> tuple[float, str]:
+    """(seconds, reason): no schedule within `budget` bytes runs faster than this.
+
+    Every needed node runs once. Beyond that, take a backward node k: a value its descendants
+    read, made by one of its ancestors (so first made before k runs), is either alive while k
+    runs, within the budget less k's own floor (`_step_floors`), or made again after k, which
+    costs its producer's time; a producer is spared only if all such outputs of it are kept.
+    The cheapest choice is bounded below by a fractional knapsack (keep the most time per byte
+    first). The bound is the largest over the `steps` backward nodes with the highest floors
+    (the tightest moments: the loss's backward on a language model)."""
+    needed = needed_nodes(graph)
+    base = sum(graph.node(name).time for name in needed)
+    ancestors = _ancestors(graph)
+    descendants = _descendants(graph)
+    floors = _step_floors(graph, ancestors)
+    held = {*graph.backward_outputs, *graph.user_outputs}
+    readers = {d: sum(1 << graph.index[u] for u in users) for d, users in graph.users.items()}
+    backward = sorted((name for name in needed if graph.node(name).backward), key=lambda n: -floors[n][0])
+    best, why = 0.0, "every needed node runs once"
+    for name in backward[:steps]:
+        k = graph.index[name]
+        floor, alive, _ = floors[name]
+        slack = budget - floor
+        exclude = set(alive)
+        groups: list[tuple[float, int]] = []  # (producer time, bytes it leaves for k's descendants)
+        forced = 0
+        for p, producer in enumerate(graph.nodes):
+            if not ancestors[k] >> p & 1:
+                continue
+            weight = sum(graph.data[d].size for d in producer.outputs
+                         if d not in exclude and d not in held and graph.data[d].kind != "tangent"
+                         and readers[d] & descendants[k])
+            if weight == 0:
+                continue
+            if producer.random:  # runs once: its outputs must stay
+                forced += weight
+            else:
+                groups.append((producer.time, weight))
+        slack -= forced
+        if slack < 0:
+            return math.inf, f"node {name}: the outputs of random nodes its descendants read do not fit"
+        extra = 0.0
+        for value, weight in sorted(groups, key=lambda g: g[0] / g[1], reverse=True):
+            kept = min(weight, slack)
+            slack -= kept
+            extra += value * (weight - kept) / weight
+        if extra > best:
+            best = extra
+            why = (f"at node {name} only {format_bytes(max(0, budget - floor - forced))} are left for the "
+                   "values its descendants read: the rest must be recomputed")
+    return base + best, why
 
 
 def _ancestors(graph: RematGraph) -> list[int]:
@@ -85,6 +148,17 @@ def _ancestors(graph: RematGraph) -> list[int]:
                 p = graph.index[producer]
                 mask |= result[p] | (1 << p)
         result.append(mask)
+    return result
+
+
+def _descendants(graph: RematGraph) -> list[int]:
+    """Per node, the set of nodes that depend on it, as a bitmask."""
+    result = [0] * len(graph.nodes)
+    for i in reversed(range(len(graph.nodes))):
+        for d in graph.nodes[i].outputs:
+            for user in graph.users.get(d, ()):
+                j = graph.index[user]
+                result[i] |= result[j] | (1 << j)
     return result
 
 

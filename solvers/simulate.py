@@ -107,6 +107,8 @@ def simulate(graph: RematGraph, schedule: Schedule, budget: int | None = None) -
                 raise fail(where, f"{op.name} is not alive")
             if backward_phase and op.name in graph.user_outputs:
                 raise fail(where, f"{op.name} is returned to the user, who holds it until the step ends")
+            if op.name in graph.backward_outputs:
+                raise fail(where, f"{op.name} is a backward output, returned when the backward ends")
             if graph.data[op.name].kind == "tangent":
                 raise fail(where, f"{op.name} is a tangent: autograd holds it until the backward returns")
             alive.remove(op.name)
@@ -199,8 +201,9 @@ def free_at_last_use(graph: RematGraph, computes: Sequence[str], forward_count: 
     keep_set = (frozenset(keep) | frozenset(graph.backward_outputs) | frozenset(graph.user_outputs)
                 | frozenset(_tangents(graph)))
     computes, forward_count = _drop_dead(graph, list(computes), forward_count, keep_set)
-    # Held values are never freed; recomputing one replaces it in place (counted once).
-    held = frozenset(graph.user_outputs) | frozenset(_tangents(graph))
+    # Held values are never freed; recomputing one replaces it in place (counted once). A
+    # backward output (a gradient) is returned when the backward ends: once made, it stays.
+    held = frozenset(graph.user_outputs) | frozenset(_tangents(graph)) | frozenset(graph.backward_outputs)
     live = _Liveness(graph, computes)
     m = len(computes)
     fwd_out = set(graph.forward_outputs)

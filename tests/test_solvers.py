@@ -21,12 +21,13 @@ from solvers import (
     min_feasible_budget,
     simulate,
     solve_checkpoint_blocks,
+    solve_dtr,
     solve_greedy_checkpoints,
     solve_ilp,
     solve_sqrt_segments,
     solve_store_all,
 )
-from solvers.bounds import min_memory_schedule
+from solvers.bounds import min_memory_schedule, time_lower_bound
 from solvers.simulate import schedule_from_computes
 from tests.graph_factories import chain_graph, random_training_graph, training_graph
 
@@ -229,10 +230,14 @@ def test_ilp_is_valid_and_never_worse_than_a_baseline(seed: int, fraction: float
     budget = int(low + fraction * (high - low))
     s = solve_ilp(graph, budget, time_limit=10)
     assert simulate(graph, s, budget).peak == s.predicted_peak <= budget
-    for solve in BASELINES:
-        other = solve(graph)
-        if other.predicted_peak <= budget:
-            assert s.predicted_time <= other.predicted_time + 1e-9, solve.__name__
+    floor = time_lower_bound(graph, budget)[0]
+    assert floor <= s.predicted_time + 1e-9
+    for solve in [*BASELINES, solve_dtr]:
+        try:
+            other = solve(graph, budget)
+        except InfeasibleBudget:
+            continue
+        assert floor <= other.predicted_time + 1e-9 and s.predicted_time <= other.predicted_time + 1e-9, solve.__name__
 
 
 @FAST
@@ -258,6 +263,7 @@ def test_ilp_equals_brute_force_on_four_node_graphs(seed: int, fraction: float) 
             solve_ilp(graph, budget, mip_rel_gap=0)
     else:
         assert solve_ilp(graph, budget, mip_rel_gap=0).predicted_time == expected
+        assert time_lower_bound(graph, budget)[0] <= expected + 1e-9
 
 
 def test_every_registered_solver_has_the_common_signature() -> None:
