@@ -17,11 +17,15 @@ Heuristics (`heuristic=`): "dtr" is the paper's h_DTR with the evicted neighbour
 cost(t) is the time of t's producer plus that of every absent tensor that recomputing t needs
 (its evicted ancestors) and of every evicted tensor still needed whose recomputation would need
 t (its evicted descendants): evicting t makes those dearer too. "lru" evicts the stalest
-tensor, "size" the largest, the two simpler policies the paper compares against.
+tensor, "size" the largest, the two simpler policies the paper compares against. "next_use" is
+an offline variant a planner can afford, since it knows the program: staleness (time since the
+last use, DTR's guess of how far the next use is) is replaced by the distance to the next read,
+as in Belady's optimal cache eviction, weighted by the same cost and size.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import Counter
 from typing import Literal
@@ -31,8 +35,8 @@ from solvers.bounds import format_bytes
 from solvers.schedule import Schedule
 from solvers.simulate import InfeasibleBudget, schedule_from_computes
 
-Heuristic = Literal["dtr", "lru", "size"]
-HEURISTICS: tuple[Heuristic, ...] = ("dtr", "lru", "size")
+Heuristic = Literal["dtr", "next_use", "lru", "size"]
+HEURISTICS: tuple[Heuristic, ...] = ("dtr", "next_use", "lru", "size")
 
 
 class _DtrRun:
@@ -52,11 +56,12 @@ class _DtrRun:
         self.evictions = 0
         self.position = 0  # index in graph.nodes of the program op being run
         self.backward_phase = False
-        # Program position of the last read of each data node (-1: never read).
-        self.last_read: dict[str, int] = {d: -1 for d in graph.data}
+        # Program positions reading each data node, in order; the last one (-1: never read).
+        self.reads: dict[str, list[int]] = {d: [] for d in graph.data}
         for p, node in enumerate(graph.nodes):
-            for d in node.inputs:
-                self.last_read[d] = p
+            for d in dict.fromkeys(node.inputs):
+                self.reads[d].append(p)
+        self.last_read = {d: reads[-1] if reads else -1 for d, reads in self.reads.items()}
         self.tangents = [d for d, dn in graph.data.items() if dn.kind == "tangent"]
         # Held to the end of the step (by the user, by autograd, as results): never dropped.
         self.held = frozenset(graph.user_outputs) | frozenset(graph.backward_outputs) | frozenset(self.tangents)
@@ -145,6 +150,11 @@ class _DtrRun:
             return 1.0 / size
         producers = self.evicted_ancestors(d, memo) | self.evicted_descendants(d)
         cost = sum(self.graph.node(n).time for n in producers)
+        if self.heuristic == "next_use":
+            reads = self.reads[d]
+            k = bisect.bisect_right(reads, self.position)
+            distance = reads[k] - self.position if k < len(reads) else len(self.graph.nodes)
+            return cost / (size * distance)
         return cost / (size * staleness)
 
     def make_room(self, need: int, where: str) -> None:

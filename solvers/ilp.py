@@ -2,9 +2,12 @@
 
 Around the model (solvers/ilp_model.py) this file does what makes it dependable:
 - budgets below the proven floor are refused at once with the floor in the message;
-- the best baseline that fits the budget (segment checkpointing, or the greedy checkpoint
-  heuristic at tight budgets) warm-starts HiGHS, so the solver starts from a schedule and only
-  has to improve it (the flat MILP's weak point is finding good feasible schedules);
+- the best baseline that fits the budget (segment checkpointing, the greedy checkpoint
+  heuristic, DTR) warm-starts HiGHS, so the solver starts from a schedule and only has to
+  improve it (the flat MILP's weak point is finding good feasible schedules);
+- when that schedule is already within the gap of `time_lower_bound` (a combinatorial bound,
+  often tighter than the MILP's own: segnet at 0.50, +9.0% against the LP's +0.5%), the
+  MILP is not run at all;
 - whatever happens (time limit without incumbent, a model rendered infeasible by rounding
   sizes up), the best schedule that fits is returned: the MILP's if better, else a baseline.
 """
@@ -15,7 +18,7 @@ import logging
 import time
 
 from rkgraph.graph import RematGraph
-from solvers.bounds import budget_bounds, format_bytes
+from solvers.bounds import budget_bounds, format_bytes, time_lower_bound
 from solvers.dtr import solve_dtr
 from solvers.greedy_checkpoints import solve_greedy_checkpoints
 from solvers.ilp_model import CheckmateMilp, alive_at_stage_starts, stages_of
@@ -58,12 +61,17 @@ def solve_ilp(graph: RematGraph, budget: int, time_limit: float = 60, mip_rel_ga
     # the best incumbent on flat graphs: gpt at 0.7, 3.7% against the MILP's 27% in 30 s) give
     # far better ones.
     for heuristic in (lambda: solve_greedy_checkpoints(graph, budget, time_limit=min(10.0, 0.1 * time_limit)),
-                      lambda: solve_dtr(graph, budget)):
+                      lambda: solve_dtr(graph, budget), lambda: solve_dtr(graph, budget, heuristic="next_use")):
         try:
             fitting.append(heuristic())
         except InfeasibleBudget:
             pass
     fitting.sort(key=lambda s: s.predicted_time)
+    floor = time_lower_bound(graph, budget)[0]
+    if fitting and fitting[0].predicted_time <= floor * (1 + mip_rel_gap):
+        # Within the gap of a proven bound already: the MILP could only confirm it, slowly.
+        return _as_ilp_result(fitting[0], budget, floor, start,
+                              {"status": "Optimal (meets the lower bound)", "schedule_from": fitting[0].solver})
 
     unit = memory_unit(budget)
     model = CheckmateMilp(graph, unit, budget // unit)
@@ -95,7 +103,7 @@ def solve_ilp(graph: RematGraph, budget: int, time_limit: float = 60, mip_rel_ga
                                f"MILP: {result.status}); {bounds.describe()}")
     extra = {"status": result.status, "binaries": result.binaries, "memory_unit": unit,
              "schedule_from": best.solver}
-    return _as_ilp_result(best, budget, result.dual_bound, start, extra)
+    return _as_ilp_result(best, budget, max(result.dual_bound or 0.0, floor), start, extra)
 
 
 def _as_ilp_result(best: Schedule, budget: int, dual_bound: float | None, start: float,

@@ -21,7 +21,7 @@ import math
 import time
 
 from rkgraph.graph import RematGraph
-from solvers.bounds import budget_bounds, format_bytes, memory_lower_bound
+from solvers.bounds import budget_bounds, format_bytes, memory_lower_bound, time_lower_bound
 from solvers.dtr import solve_dtr
 from solvers.greedy_checkpoints import solve_greedy_checkpoints
 from solvers.ilp import memory_unit, solve_ilp
@@ -114,21 +114,36 @@ def block_options(sub: RematGraph, time_limit: float) -> tuple[list[BlockOption]
 
 
 def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slots: int = 500,
-                   block_time_limit: float = 1.0, **_: object) -> Schedule:
+                   block_time_limit: float = 1.0, gap: float = 0.01, **_: object) -> Schedule:
     """Fastest schedule found within `budget` bytes. `time_limit` bounds the flat-ILP fallback,
-    `block_time_limit` the MILP solves of one distinct block. Raises InfeasibleBudget, with
-    the smallest feasible budget in the message, when nothing fits."""
+    `block_time_limit` the MILP solves of one distinct block; the search stops as soon as a
+    schedule is within `gap` (relative) of the proven lower bound on time. Raises
+    InfeasibleBudget, with the smallest feasible budget in the message, when nothing fits."""
     start = time.perf_counter()
     bounds = budget_bounds(graph)
     if budget < bounds.lower:
         raise InfeasibleBudget(f"budget {budget} bytes ({format_bytes(budget)}) is too small: {bounds.describe()}")
+    floor = time_lower_bound(graph, budget)[0]
     candidates = [s for s in bounds.candidates if s.predicted_peak <= budget]
     extra: dict[str, object] = {}
+
+    def searching() -> bool:
+        return not candidates or min(s.predicted_time for s in candidates) > floor * (1 + gap)
+
     store_all = next(s for s in bounds.candidates if s.solver == "store_all")
     if store_all.predicted_peak > budget:
+        # The heuristics first: they take a fraction of a second and often meet the bound
+        # (GPT-2 small at 0.95 down to the minimum: DTR is rockmate's answer at every budget),
+        # and they beat the chain plan where the chain model is coarse.
+        for heuristic in (lambda: solve_dtr(graph, budget), lambda: solve_dtr(graph, budget, heuristic="next_use"),
+                          lambda: solve_greedy_checkpoints(graph, budget, time_limit=min(2.0, time_limit / 10))):
+            try:
+                candidates.append(heuristic())
+            except InfeasibleBudget:
+                pass
         forward_blocks, _ = chain_blocks(graph)
         chained: Schedule | None = None
-        if len(forward_blocks) > 1:
+        if searching() and len(forward_blocks) > 1:
             solves = 0
 
             def options(sub: RematGraph) -> list[BlockOption]:
@@ -143,17 +158,10 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
             candidates += [s for s in (chained, rotor) if s is not None]
             extra.update({"blocks": len(chain.blocks), "distinct_blocks": chain.distinct, "ilp_solves": solves,
                           "options_per_block": [len(b.options) for b in chain.blocks]})
-        # DTR is cheap and beats the chain plan where the chain model is coarse (gpt-default 0.5:
-        # 11.9% against 40.6%), so it is always among the candidates.
-        for heuristic in (lambda: solve_greedy_checkpoints(graph, budget, time_limit=min(2.0, time_limit / 10)),
-                          lambda: solve_dtr(graph, budget)):
-            try:
-                candidates.append(heuristic())
-            except InfeasibleBudget:
-                pass
-        if chained is None and (len(forward_blocks) <= 1 or len(graph.nodes) <= FLAT_ILP_MAX_NODES):
+        if (searching() and chained is None
+                and (len(forward_blocks) <= 1 or len(graph.nodes) <= FLAT_ILP_MAX_NODES)):
             remaining = max(1.0, time_limit - (time.perf_counter() - start))
-            if any(s.predicted_peak <= budget for s in candidates):
+            if candidates:
                 # A heuristic already fits: the flat MILP rarely improves on it on whole models
                 # (GPT at 0.35 spent 63 s for nothing), so it only gets a short look.
                 remaining = min(remaining, max(1.0, 0.1 * time_limit))
@@ -166,8 +174,11 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
     for key in ("status", "binaries"):
         if key in best.extra:
             extra[key] = best.extra[key]
+    lower_bound = min(max(floor, best.lower_bound or 0.0), best.predicted_time)
     schedule = Schedule(best.ops, best.forward_length, solver="rockmate", budget=budget,
                         predicted_peak=best.predicted_peak, predicted_time=best.predicted_time,
-                        lower_bound=best.lower_bound, gap=best.gap, extra=extra)
+                        lower_bound=lower_bound,
+                        gap=(best.predicted_time - lower_bound) / best.predicted_time if best.predicted_time else 0.0,
+                        extra=extra)
     schedule.solve_time = time.perf_counter() - start
     return schedule
