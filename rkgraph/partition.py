@@ -67,7 +67,9 @@ def backward_blocks(graph: RematGraph, blocks: list[list[str]] | None = None) ->
     A backward node belongs where the forward values it reads were made: the block of the
     activations internal to one block it reads (the latest such block), else the block that
     consumes the cut tensor it reads (a weight gradient reads its layer's input, the previous
-    block's output), else the last block (it reads only tangents). Then data flow settles the
+    block's output; the earliest such block when it reads several, as the gradient nodes of
+    Checkmate's graphs read a value and its consumer's output), else the last block (it reads
+    only tangents). Then data flow settles the
     rest: backward blocks run from the last to the first, so a node can be no later a block
     than the nodes whose gradients it reads (a gradient sum joins the block of its earliest
     contribution). Nodes keep graph order within each block, so every block's list is a valid
@@ -89,7 +91,7 @@ def backward_blocks(graph: RematGraph, blocks: list[list[str]] | None = None) ->
     for node in graph.backward_nodes:
         internal = [made_in[d] for d in node.inputs if d in made_in and d not in read_by]
         crossing = [read_by[d] for d in node.inputs if d in read_by]
-        anchor = max(internal) if internal else max(crossing) if crossing else last
+        anchor = max(internal) if internal else min(crossing) if crossing else last
         upstream = [assigned[p] for d in node.inputs if (p := graph.data[d].producer) in assigned]
         assigned[node.name] = min([anchor, *upstream])
     result: list[list[str]] = [[] for _ in blocks]
