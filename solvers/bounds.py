@@ -21,6 +21,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from rkgraph.graph import RematGraph
 from rkgraph.units import format_bytes
 from solvers.checkpoint_blocks import solve_checkpoint_blocks
@@ -91,9 +93,9 @@ def time_lower_bound(graph: RematGraph, budget: int, steps: int = 64) -> tuple[f
     read, made by one of its ancestors (so first made before k runs), is either alive while k
     runs, within the budget less k's own floor (`_step_floors`), or made again after k, which
     costs its producer's time; a producer is spared only if all such outputs of it are kept.
-    The cheapest choice is bounded below by a fractional knapsack (keep the most time per byte
-    first). The bound is the largest over the `steps` backward nodes with the highest floors
-    (the tightest moments: the loss's backward on a language model)."""
+    The cheapest choice is bounded below by knapsacks (`_most_value_kept`). The bound is the
+    largest over the `steps` backward nodes with the highest floors (the tightest moments: the
+    loss's backward on a language model)."""
     needed = needed_nodes(graph)
     base = sum(graph.node(name).time for name in needed)
     ancestors = _ancestors(graph)
@@ -125,16 +127,33 @@ def time_lower_bound(graph: RematGraph, budget: int, steps: int = 64) -> tuple[f
         slack -= forced
         if slack < 0:
             return math.inf, f"node {name}: the outputs of random nodes its descendants read do not fit"
-        extra = 0.0
-        for value, weight in sorted(groups, key=lambda g: g[0] / g[1], reverse=True):
-            kept = min(weight, slack)
-            slack -= kept
-            extra += value * (weight - kept) / weight
+        extra = sum(value for value, _ in groups) - _most_value_kept(groups, slack)
         if extra > best:
             best = extra
             why = (f"at node {name} only {format_bytes(max(0, budget - floor - forced))} are left for the "
                    "values its descendants read: the rest must be recomputed")
     return base + best, why
+
+
+def _most_value_kept(items: list[tuple[float, int]], capacity: int, slots: int = 2000) -> float:
+    """An upper bound on the value of (value, weight) items fitting in `capacity`: the better
+    of the fractional knapsack and the 0/1 knapsack with weights rounded down to `slots` units
+    of the capacity (rounding down keeps every truly fitting set fitting)."""
+    items = [(v, w) for v, w in items if w <= capacity]  # the others can never be kept whole
+    fractional, room = 0.0, capacity
+    for value, weight in sorted(items, key=lambda item: item[0] / item[1], reverse=True):
+        taken = min(weight, room)
+        room -= taken
+        fractional += value * taken / weight
+    unit = max(1, capacity // slots)
+    best = np.zeros(capacity // unit + 1)
+    for value, weight in items:
+        w = weight // unit
+        if w == 0:
+            best += value
+        else:
+            best[w:] = np.maximum(best[w:], best[:-w] + value)  # right side read before the write
+    return min(fractional, float(best[-1]))
 
 
 def _ancestors(graph: RematGraph) -> list[int]:
