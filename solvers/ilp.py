@@ -75,6 +75,7 @@ def solve_ilp(graph: RematGraph, budget: int, time_limit: float = 60, mip_rel_ga
 
     unit = memory_unit(budget)
     model = CheckmateMilp(graph, unit, budget // unit)
+    model.add_time_floor(floor)
     for schedule in fitting:
         stages = stages_of(graph, schedule.computes())
         if stages is not None:

@@ -247,6 +247,13 @@ class CheckmateMilp:
         self.highs = b.highs()
         self.col_lower = b.lower
 
+    def add_time_floor(self, floor: float) -> None:
+        """Total time >= `floor`, a proven bound (solvers.bounds.time_lower_bound): HiGHS's
+        own bound starts there, so the gap closes as soon as a schedule near it is found."""
+        cols = np.array(list(self.R.values()), dtype=np.int32)
+        costs = np.array([self.graph.nodes[i].time for _, i in self.R], dtype=np.float64)
+        self.highs.addRow(floor * (1 - 1e-9), math.inf, len(cols), cols, costs)
+
     def warm_start(self, stages: list[list[int]], alive_at_stage_start: list[set[str]]) -> bool:
         """Hand HiGHS a starting point: R and S of a known schedule (HiGHS completes F and U
         with an LP). Returns whether HiGHS accepted it."""
