@@ -50,6 +50,9 @@ class BlockOption:
     backward_peak: int  # bytes above the block's input and gradient during the backward, `kept`
     # and the gradients it makes included
     source: str = ""  # what produced it, for diagnostics
+    # Whether the backward reads the block's input; when it does not (a loss reading only its
+    # log-softmax), the input need not stay alive while the rest of the chain runs.
+    reads_input: bool = True
 
 
 @dataclass
@@ -216,9 +219,12 @@ def build_chain(graph: RematGraph, make_options: OptionMaker = lambda sub: [stor
             solved[signature] = (names, make_options(sub) if backward else [store_all_option(sub)])
         first_names, options = solved[signature]
         rename = dict(zip(first_names, names))
+        entering = {d for name in forward for d in graph.node(name).inputs
+                    if (producer := graph.data[d].producer) is not None and position[producer] < j}
         options = [BlockOption([rename[n] for n in o.forward], [rename[n] for n in o.backward],
                                o.forward_time, o.backward_time, o.kept, o.forward_peak, o.backward_peak,
-                               o.source) for o in options]
+                               o.source, any(d in entering for n in o.backward for d in graph.node(rename[n]).inputs))
+                   for o in options]
         plain = measure(sub, forward, len(forward), "plain")
         blocks.append(ChainBlock(list(forward), list(backward), output[j], grad[j], held[j],
                                  plain.forward_time, plain.forward_peak, options, signature))
@@ -281,13 +287,14 @@ def solve_chain(chain: Chain, memory: int, slots: int) -> ChainTables:
                 choice[better] = code
 
             for o, option in enumerate(blocks[i].options):
+                held_input = inp[i] if option.reads_input else 0
                 forward_need = inp[i] + grad[k] + up(option.forward_peak)
-                backward_need = inp[i] + grad[i] + held(i + 1, k) + up(option.backward_peak)
+                backward_need = held_input + grad[i] + held(i + 1, k) + up(option.backward_peak)
                 total = option.forward_time + option.backward_time
                 if span == 0:
                     candidate = np.where(ms >= max(forward_need, backward_need), total, np.inf)
                 else:
-                    keep = inp[i] + max(0, up(option.kept) - out[i])
+                    keep = held_input + max(0, up(option.kept) - out[i])
                     candidate = total + shifted(cost[i + 1, k], keep)
                     candidate[ms < max(forward_need, backward_need)] = np.inf
                 offer(candidate, o)
@@ -321,7 +328,8 @@ def chain_plan(chain: Chain, tables: ChainTables, m: int) -> list[tuple[str, int
         if code < len(options):
             actions.append(("F", i, code))
             if k > i:
-                keep = inp[i] + max(0, math.ceil(options[code].kept / tables.unit) - out_slots[i])
+                held_input = inp[i] if options[code].reads_input else 0
+                keep = held_input + max(0, math.ceil(options[code].kept / tables.unit) - out_slots[i])
                 walk(i + 1, k, m - keep)
             actions.append(("B", i, code))
             return

@@ -16,10 +16,12 @@ from solvers import (
     budget_bounds,
     simulate,
     solve_checkpoint_blocks,
+    solve_dtr,
     solve_rockmate,
     solve_rotor,
     solve_store_all,
 )
+from solvers.bounds import time_lower_bound
 from solvers.simulate import schedule_from_computes
 from tests.graph_factories import random_training_graph, training_graph
 
@@ -96,11 +98,22 @@ def test_rockmate_no_slower_than_rotor_on_chains() -> None:
 
 def test_identical_blocks_are_solved_once() -> None:
     graph = uniform_chain(6)
-    budget = int(0.7 * solve_store_all(graph).predicted_peak)
+    # At 0.6 DTR (63 s) misses the proven floor (62 s), so the chain is built and solved.
+    budget = int(0.6 * solve_store_all(graph).predicted_peak)
     s = solve_rockmate(graph, budget, time_limit=5)
     simulate(graph, s, budget)
     # The first block reads the graph input and the last one the tangent: at most 3 distinct.
     assert s.extra["blocks"] == 6 and s.extra["distinct_blocks"] <= 3
+    assert s.predicted_time == time_lower_bound(graph, budget)[0] < solve_dtr(graph, budget).predicted_time
+    assert s.gap == 0
+
+
+def test_search_stops_at_the_proven_floor() -> None:
+    graph = uniform_chain(6)
+    budget = int(0.7 * solve_store_all(graph).predicted_peak)
+    s = solve_rockmate(graph, budget, time_limit=5)
+    # DTR's schedule meets the floor: no block is solved, the answer is proven optimal.
+    assert "blocks" not in s.extra and s.extra["schedule_from"] == "dtr" and s.gap == 0
 
 
 def test_single_block_falls_back_to_the_flat_ilp() -> None:
