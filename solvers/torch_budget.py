@@ -46,10 +46,13 @@ def partitioner_choice(graph: RematGraph, ratio: float) -> PartitionerChoice:
     import torch
     from torch._functorch import config
     from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     joint = graph.joint
     # The partitioner rewrites the graph it is given; graph.joint must stay as captured.
-    with warnings.catch_warnings():
+    # Outside any fake mode (the runtime plans inside AOTAutograd's trace): under one, copying a
+    # real constant of the module (ResNet's) fails to set a meta tensor's storage to a CPU one.
+    with warnings.catch_warnings(), unset_fake_temporarily():
         warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecation, from deepcopy
         module = copy.deepcopy(joint.module)
     with config.patch(activation_memory_budget=ratio):

@@ -228,3 +228,16 @@ def test_loss_inside_the_module_with_fixed_targets() -> None:
     reference(*args, **kwargs).backward()
     assert step.peak <= rk.budget
     _assert_same_state(planned, reference, exact=False)
+
+
+@pytest.mark.parametrize("name", ["resnet", "unet"])
+def test_pytorch_partitioner_choice_runs_through_the_runtime(name: str) -> None:
+    """`solver="torch_budget"` runs PyTorch's min-cut partitioner on a copy of the joint graph
+    during planning, which happens inside AOTAutograd's fake trace; copying the module's real
+    constants there (the labels the loss holds) failed until the copy left the fake mode."""
+    model, args, kwargs, loss = zoo.make(name, "tiny")
+    model = zoo.WithLoss(model, loss)
+    eager_model = copy.deepcopy(model)
+    rk = Rockmate(model, (args, kwargs), 1.0, solver="torch_budget")
+    torch.testing.assert_close(_step(rk, args, kwargs), _step(eager_model, args, kwargs), rtol=1e-4, atol=1e-5)
+    _assert_same_state(model, eager_model, exact=False)
