@@ -8,8 +8,8 @@ sequence, a backward sequence (with its recomputations) and the memory and time 
 Rotor's dynamic program then picks one option per block and the checkpointing between blocks.
 
 The result is replayed by the simulator like every schedule. When the graph has no chain (one
-block), or the chain plan does not fit (the chain model is approximate) on a graph small enough
-for the MILP to help (FLAT_ILP_MAX_NODES), the flat ILP runs with the time limit. Whatever
+block), or is small enough for the flat MILP to help (FLAT_ILP_MAX_NODES), and nothing found is
+within `gap` of the proven floor yet, the flat ILP runs, warm-started from the best schedule. Whatever
 happens, the fastest schedule that fits among rockmate's, the flat ILP's and the baselines'
 (DTR's included) is returned, so the default is never worse than a baseline.
 """
@@ -142,7 +142,6 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
             except InfeasibleBudget:
                 pass
         forward_blocks, _ = chain_blocks(graph)
-        chained: Schedule | None = None
         if searching() and len(forward_blocks) > 1:
             solves = 0
 
@@ -158,14 +157,14 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
             candidates += [s for s in (chained, rotor) if s is not None]
             extra.update({"blocks": len(chain.blocks), "distinct_blocks": chain.distinct, "ilp_solves": solves,
                           "options_per_block": [len(b.options) for b in chain.blocks]})
-        if (searching() and chained is None
-                and (len(forward_blocks) <= 1 or len(graph.nodes) <= FLAT_ILP_MAX_NODES)):
+        if searching() and (len(forward_blocks) <= 1 or len(graph.nodes) <= FLAT_ILP_MAX_NODES):
             remaining = max(1.0, time_limit - (time.perf_counter() - start))
-            if candidates:
-                # A heuristic already fits: the flat MILP rarely improves on it on whole models
-                # (GPT at 0.35 spent 63 s for nothing), so it only gets a short look.
+            fastest = min(candidates, key=lambda s: s.predicted_time) if candidates else None
+            if fastest is not None:
+                # Something already fits: the flat MILP rarely improves on it on whole models
+                # (GPT at 0.35 spent 63 s for nothing), so it only gets a short look, from it.
                 remaining = min(remaining, max(1.0, 0.1 * time_limit))
-            candidates.append(solve_ilp(graph, budget, time_limit=remaining))
+            candidates.append(solve_ilp(graph, budget, time_limit=remaining, mip_rel_gap=gap, warm_start=fastest))
     if not candidates:
         raise InfeasibleBudget(f"no schedule found within {budget} bytes ({format_bytes(budget)}); "
                                f"{bounds.describe()}")
