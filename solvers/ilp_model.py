@@ -279,7 +279,7 @@ class CheckmateMilp:
         status = h.modelStatusToString(h.getModelStatus())
         info = h.getInfo()
         if info.primal_solution_status != 2:  # 2 = feasible
-            log.info("MILP: %s without incumbent", status)
+            log.debug("MILP: %s without incumbent", status)
             return MilpResult(status, None, None, _finite(info.mip_dual_bound), None, self.binaries)
         x = np.asarray(h.getSolution().col_value)
         stages: list[list[int]] = [[] for _ in range(self.n)]
