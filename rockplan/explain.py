@@ -16,6 +16,7 @@ from rkgraph.graph import RematGraph
 from rkgraph.render import _common_module, _short_op, backward_block_of, format_time
 from rockplan.budget import format_bytes
 from rockplan.decisions import decide
+from solvers.bounds import time_lower_bound
 from solvers.checkpoint_blocks import solve_checkpoint_blocks
 from solvers.schedule import Schedule
 from solvers.simulate import InvalidSchedule
@@ -118,7 +119,12 @@ def explain(graph: RematGraph, schedule: Schedule, store_all: Schedule,
                            f"+{_percent(overhead, reference_time)}" if overhead > 0 else "+0%", fits])
     lines += ["", *_table(["totals", "peak", "of store-all", "time", "overhead", "fits budget"], total_rows,
                           right={1, 2, 3, 4})]
-    if schedule.lower_bound is not None:
-        gap = f", gap {100 * schedule.gap:.1f}%" if schedule.gap is not None else ""
-        lines.append(f"proven lower bound on the time: {format_time(schedule.lower_bound)}{gap}")
+    floor = schedule.lower_bound
+    if schedule.budget is not None:
+        floor = max(floor or 0.0, time_lower_bound(graph, schedule.budget)[0])
+    if floor is not None and schedule.predicted_time > 0:
+        floor = min(floor, schedule.predicted_time)
+        lines.append(f"no plan within this budget runs faster than {format_time(floor)} (proven: "
+                     f"{100 * (floor / reference_time - 1):+.1f}% over store-all); this plan is "
+                     f"{100 * (schedule.predicted_time / floor - 1):.1f}% above that")
     return "\n".join(lines)

@@ -15,6 +15,7 @@ from rockplan import cli, zoo
 from rockplan.plan_file import FORMAT, VERSION, PlanMismatch, export_plan, fingerprint, load_plan, read_plan
 from rockplan.runtime import Rockmate
 from solvers import simulate
+from solvers.bounds import time_lower_bound
 
 # Checkpointing every block recomputes in every block and solves instantly: a plan with all
 # three decisions, without the ILP's solve time.
@@ -115,6 +116,9 @@ def test_explain_lists_every_block_and_totals(planned: tuple[Rockmate, Path]) ->
     for label in ("store everything", "checkpoint every block", f"this plan ({SOLVER})", "transformer.h.1"):
         assert label in text
     assert "checkpoint" in text.split("totals")[0]  # the blocks' option column
+    floor = time_lower_bound(rk.graph, rk.schedule.budget)[0]
+    assert floor <= rk.schedule.predicted_time
+    assert f"this plan is {100 * (rk.schedule.predicted_time / floor - 1):.1f}% above that" in text
 
 
 def test_explain_store_all_recomputes_nothing(gpt: zoo.ZooEntry) -> None:
