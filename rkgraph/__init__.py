@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from rkgraph.build import build_graph
 from rkgraph.capture import CaptureError, JointGraph, capture_joint
@@ -26,7 +27,10 @@ def profile_graph(
     device = next((t.device.type for t in real_inputs or []), "cpu")
     if mode == "measure" and real_inputs is not None:
         try:
-            measure_times(graph, joint.module, [*real_inputs, *random_tangents(joint.module, device)])
+            # The runtime plans inside AOTAutograd's trace, under its fake mode: tangents drawn
+            # there, and kernels run there, would be fake (times of dispatch, not of compute).
+            with unset_fake_temporarily():
+                measure_times(graph, joint.module, [*real_inputs, *random_tangents(joint.module, device)])
             return
         except torch.OutOfMemoryError:
             pass  # the store-everything replay does not fit: fall back to the estimate

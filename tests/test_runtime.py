@@ -241,3 +241,39 @@ def test_pytorch_partitioner_choice_runs_through_the_runtime(name: str) -> None:
     rk = Rockmate(model, (args, kwargs), 1.0, solver="torch_budget")
     torch.testing.assert_close(_step(rk, args, kwargs), _step(eager_model, args, kwargs), rtol=1e-4, atol=1e-5)
     _assert_same_state(model, eager_model, exact=False)
+
+
+_REAL_CALLS = {"count": 0}
+
+
+@torch.library.custom_op("rockplan_test::counted", mutates_args=())
+def _counted(x: torch.Tensor) -> torch.Tensor:
+    _REAL_CALLS["count"] += 1  # only a real kernel call gets here; fake tensors use the fake below
+    return x * 2
+
+
+@_counted.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+_counted.register_autograd(lambda ctx, grad: grad * 2)
+
+
+def test_measured_profile_runs_real_kernels() -> None:
+    """Planning runs inside AOTAutograd's fake trace; profile="measure" must still time real
+    kernels. It once timed fake ones: a 20 ms convolution was profiled at 0.6 ms."""
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(_counted(self.a(x)))
+
+    _REAL_CALLS["count"] = 0
+    rk = Rockmate(Model(), torch.randn(4, 8), 1.0, profile="measure")
+    assert _REAL_CALLS["count"] > 0  # timed on real tensors, before any training step
+    node = next(n for n in rk.graph.nodes if "counted" in (n.op or ""))
+    assert node.time > 0
