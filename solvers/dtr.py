@@ -256,18 +256,3 @@ def solve_dtr(graph: RematGraph, budget: int | None = None, heuristic: Heuristic
     schedule.solve_time = time.perf_counter() - start
     return schedule
 
-
-# The variants a planner runs as candidates: each wins somewhere (fcn8 0.62: next_use 3.1%
-# against dtr's 4.5%), and "size" still fits where the others give up (ResNet at 0.35).
-PLANNER_HEURISTICS: tuple[Heuristic, ...] = ("dtr", "next_use", "size")
-
-
-def dtr_candidates(graph: RematGraph, budget: int) -> list[Schedule]:
-    """The schedules of the PLANNER_HEURISTICS that fit `budget` (a fraction of a second each)."""
-    found = []
-    for heuristic in PLANNER_HEURISTICS:
-        try:
-            found.append(solve_dtr(graph, budget, heuristic=heuristic))
-        except InfeasibleBudget:
-            pass
-    return found

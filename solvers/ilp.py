@@ -19,8 +19,7 @@ import time
 
 from rkgraph.graph import RematGraph
 from solvers.bounds import budget_bounds, format_bytes, time_lower_bound
-from solvers.dtr import dtr_candidates
-from solvers.greedy_checkpoints import solve_greedy_checkpoints
+from solvers.candidates import heuristic_candidates
 from solvers.ilp_model import CheckmateMilp, alive_at_stage_starts, stages_of
 from solvers.schedule import Schedule
 from solvers.simulate import InfeasibleBudget, InvalidSchedule, schedule_from_computes
@@ -60,11 +59,7 @@ def solve_ilp(graph: RematGraph, budget: int, time_limit: float = 60, mip_rel_ga
     # that HiGHS may never improve on it in time: the greedy heuristic and DTR (fast, and often
     # the best incumbent on flat graphs: gpt at 0.7, 3.7% against the MILP's 27% in 30 s) give
     # far better ones.
-    fitting += dtr_candidates(graph, budget)
-    try:
-        fitting.append(solve_greedy_checkpoints(graph, budget, time_limit=min(10.0, 0.1 * time_limit)))
-    except InfeasibleBudget:
-        pass
+    fitting += heuristic_candidates(graph, budget, greedy_time_limit=min(10.0, 0.1 * time_limit))
     fitting.sort(key=lambda s: s.predicted_time)
     floor = time_lower_bound(graph, budget)[0]
     if fitting and fitting[0].predicted_time <= floor * (1 + mip_rel_gap):

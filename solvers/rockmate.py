@@ -22,7 +22,7 @@ import time
 
 from rkgraph.graph import RematGraph
 from solvers.bounds import budget_bounds, format_bytes, memory_lower_bound, time_lower_bound
-from solvers.dtr import dtr_candidates
+from solvers.candidates import heuristic_candidates
 from solvers.greedy_checkpoints import solve_greedy_checkpoints
 from solvers.ilp import memory_unit, solve_ilp
 from solvers.ilp_model import CheckmateMilp, alive_at_stage_starts, stages_of
@@ -135,11 +135,7 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
         # The heuristics first: they take a fraction of a second and often meet the bound
         # (GPT-2 small at 0.95 down to the minimum: DTR is rockmate's answer at every budget),
         # and they beat the chain plan where the chain model is coarse.
-        candidates += dtr_candidates(graph, budget)
-        try:
-            candidates.append(solve_greedy_checkpoints(graph, budget, time_limit=min(2.0, time_limit / 10)))
-        except InfeasibleBudget:
-            pass
+        candidates += heuristic_candidates(graph, budget, greedy_time_limit=min(2.0, time_limit / 10))
         forward_blocks, _ = chain_blocks(graph)
         if searching() and len(forward_blocks) > 1:
             solves = 0
