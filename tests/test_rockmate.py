@@ -22,6 +22,7 @@ from solvers import (
     solve_store_all,
 )
 from solvers.bounds import time_lower_bound
+from solvers.rotor import build_chain, store_all_option
 from solvers.simulate import schedule_from_computes
 from tests.graph_factories import random_training_graph, training_graph
 
@@ -106,6 +107,19 @@ def test_identical_blocks_are_solved_once() -> None:
     assert s.extra["blocks"] == 6 and s.extra["distinct_blocks"] <= 3
     assert s.predicted_time == time_lower_bound(graph, budget)[0] < solve_dtr(graph, budget).predicted_time
     assert s.gap == 0
+
+
+def test_blocks_differing_only_in_measured_times_are_solved_once() -> None:
+    graph = uniform_chain(6)
+    for k, node in enumerate(graph.nodes):
+        node.time *= 1 + 0.01 * k  # measured profiles differ a little from layer to layer
+    solved: list[str] = []
+    chain = build_chain(graph, lambda sub: solved.append(sub.name) or [store_all_option(sub)])
+    assert len(solved) <= 3 and len(chain.blocks) == 6
+    # A reused option carries the times of its own block's nodes.
+    for block in chain.blocks:
+        option = block.options[0]
+        assert option.forward_time == pytest.approx(sum(graph.node(n).time for n in option.forward))
 
 
 def test_search_stops_at_the_proven_floor() -> None:
