@@ -31,6 +31,7 @@ from rockplan.explain import explain
 from rockplan.plan_file import export_plan, load_plan
 from rockplan.plots import plot_memory
 from solvers import RUNTIME_SOLVERS, Schedule, simulate, solve_store_all
+from solvers.bounds import time_lower_bound
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +168,11 @@ class Rockmate(nn.Module):
                 schedule = RUNTIME_SOLVERS[self.solver](graph, budget - reserved, **self.solver_options)
                 reserved = _copied_buffer_bytes(joint, graph, schedule)
             simulate(graph, schedule, budget - reserved)  # the referee: never run an unchecked plan
+            floor = time_lower_bound(graph, budget - reserved)[0]
+            log.info("planned by %s: peak %s, overhead %+.1f%% (no plan within the budget can be under %+.1f%%)",
+                     schedule.solver, format_bytes(schedule.predicted_peak),
+                     100 * (schedule.predicted_time / store_all.predicted_time - 1),
+                     100 * (floor / store_all.predicted_time - 1))
             result.update(graph=graph, schedule=schedule, budget=budget, store_all=store_all, reserved=reserved)
             return generate(joint, graph, schedule)
 
