@@ -168,11 +168,12 @@ class Rockmate(nn.Module):
                 schedule = RUNTIME_SOLVERS[self.solver](graph, budget - reserved, **self.solver_options)
                 reserved = _copied_buffer_bytes(joint, graph, schedule)
             simulate(graph, schedule, budget - reserved)  # the referee: never run an unchecked plan
-            floor = time_lower_bound(graph, budget - reserved)[0]
-            log.info("planned by %s: peak %s, overhead %+.1f%% (no plan within the budget can be under %+.1f%%)",
-                     schedule.solver, format_bytes(schedule.predicted_peak),
-                     100 * (schedule.predicted_time / store_all.predicted_time - 1),
-                     100 * (floor / store_all.predicted_time - 1))
+            if log.isEnabledFor(logging.INFO):  # the floor is computed only to be shown
+                floor = time_lower_bound(graph, budget - reserved)[0]
+                log.info("planned by %s: peak %s, overhead %+.1f%% (no plan within the budget can be under %+.1f%%)",
+                         schedule.solver, format_bytes(schedule.predicted_peak),
+                         100 * (schedule.predicted_time / store_all.predicted_time - 1),
+                         100 * (floor / store_all.predicted_time - 1))
             result.update(graph=graph, schedule=schedule, budget=budget, store_all=store_all, reserved=reserved)
             return generate(joint, graph, schedule)
 

@@ -255,4 +255,3 @@ def solve_dtr(graph: RematGraph, budget: int | None = None, heuristic: Heuristic
                                       extra={"heuristic": heuristic, "evictions": dtr.evictions})
     schedule.solve_time = time.perf_counter() - start
     return schedule
-

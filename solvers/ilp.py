@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 from rkgraph.graph import RematGraph
 from solvers.bounds import budget_bounds, format_bytes, time_lower_bound
@@ -36,8 +37,11 @@ def memory_unit(budget: int) -> int:
 
 
 def solve_ilp(graph: RematGraph, budget: int, time_limit: float = 60, mip_rel_gap: float = 0.01,
-              warm_start: Schedule | None = None) -> Schedule:
+              known: Sequence[Schedule] | None = None) -> Schedule:
     """Minimise total compute time with peak memory <= budget (bytes).
+
+    `known`: schedules a caller already found for this budget, the cheap heuristics' included
+    (`solvers.candidates`); they are then not run again. The fastest that fits starts HiGHS.
 
     Returns a schedule validated by the simulator, with `lower_bound` (the MILP's dual bound on
     the time) and `gap`. Raises InfeasibleBudget when the budget is below the proven floor, or
@@ -47,7 +51,7 @@ def solve_ilp(graph: RematGraph, budget: int, time_limit: float = 60, mip_rel_ga
     bounds = budget_bounds(graph)
     if budget < bounds.lower:
         raise InfeasibleBudget(f"budget {budget} bytes ({format_bytes(budget)}) is too small: {bounds.describe()}")
-    candidates = bounds.candidates + ([warm_start] if warm_start is not None else [])
+    candidates = [*bounds.candidates, *(known or [])]
     fitting = sorted((s for s in candidates if s.predicted_peak <= budget), key=lambda s: s.predicted_time)
     store_all = next(s for s in candidates if s.solver == "store_all")
     if store_all.predicted_peak <= budget:
@@ -59,7 +63,8 @@ def solve_ilp(graph: RematGraph, budget: int, time_limit: float = 60, mip_rel_ga
     # that HiGHS may never improve on it in time: the greedy heuristic and DTR (fast, and often
     # the best incumbent on flat graphs: gpt at 0.7, 3.7% against the MILP's 27% in 30 s) give
     # far better ones.
-    fitting += heuristic_candidates(graph, budget, greedy_time_limit=min(10.0, 0.1 * time_limit))
+    if known is None:
+        fitting += heuristic_candidates(graph, budget, greedy_time_limit=min(10.0, 0.1 * time_limit))
     fitting.sort(key=lambda s: s.predicted_time)
     floor = time_lower_bound(graph, budget)[0]
     if fitting and fitting[0].predicted_time <= floor * (1 + mip_rel_gap):

@@ -154,12 +154,11 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
                           "options_per_block": [len(b.options) for b in chain.blocks]})
         if searching() and (len(forward_blocks) <= 1 or len(graph.nodes) <= FLAT_ILP_MAX_NODES):
             remaining = max(1.0, time_limit - (time.perf_counter() - start))
-            fastest = min(candidates, key=lambda s: s.predicted_time) if candidates else None
-            if fastest is not None:
+            if candidates:
                 # Something already fits: the flat MILP rarely improves on it on whole models
                 # (GPT at 0.35 spent 63 s for nothing), so it only gets a short look, from it.
                 remaining = min(remaining, max(1.0, 0.1 * time_limit))
-            candidates.append(solve_ilp(graph, budget, time_limit=remaining, mip_rel_gap=gap, warm_start=fastest))
+            candidates.append(solve_ilp(graph, budget, time_limit=remaining, mip_rel_gap=gap, known=candidates))
     if not candidates:
         raise InfeasibleBudget(f"no schedule found within {budget} bytes ({format_bytes(budget)}); "
                                f"{bounds.describe()}")
