@@ -193,11 +193,14 @@ def trace(
     compiled: Callable[..., Any],
     args: tuple,
     kwargs: dict,
+    native_kernels: bool = True,
 ) -> None:
     """Trigger tracing (and the partition function) on fake copies of the real tensors.
 
     Nothing real is computed and nothing in the model changes: the fake forward mutates fake
-    buffers, and fake random ops draw no real random numbers.
+    buffers, and fake random ops draw no real random numbers. `native_kernels=False` traces
+    through torch._decomp's Python kernels as torch.compile does: Inductor wants those ops
+    decomposed and refuses to fall back on their ATen kernels.
     """
     tensors = flat_tensors(model, flat, args, kwargs)
     if not any(t.requires_grad for t in tensors):
@@ -209,7 +212,7 @@ def trace(
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes = [mode.from_tensor(t) for t in tensors]
     with (
-        _native_kernels(),
+        _native_kernels() if native_kernels else contextlib.nullcontext(),
         _module_path_annotations(model),
         fx_traceback.preserve_node_meta(),
         torch.enable_grad(),

@@ -184,7 +184,7 @@ class Rockmate(nn.Module):
             # `_inductor` also imports the lowerings these decompositions call while tracing.
             compiler, decompositions = _inductor(result), select_decomp_table()
         compiled = training_function(self.model, flat, plan_and_generate, compiler, decompositions)
-        trace(self.model, flat, compiled, args, kwargs)
+        trace(self.model, flat, compiled, args, kwargs, native_kernels=self.backend != "inductor")
         plan = Plan(compiled=compiled, flat=flat, plan_time=time.perf_counter() - start, **result)
         self._plans[_signature(self.model, args, kwargs)] = plan
         return plan
