@@ -8,6 +8,7 @@ from solvers.checkpoint_blocks import solve_checkpoint_blocks
 from solvers.dtr import solve_dtr
 from solvers.greedy_checkpoints import solve_greedy_checkpoints
 from solvers.ilp import solve_ilp
+from solvers.peak_shaving import solve_peak_shaving
 from solvers.rockmate import solve_rockmate
 from solvers.rotor import solve_rotor
 from solvers.schedule import Op, Schedule
@@ -25,6 +26,7 @@ SOLVERS: dict[str, Callable[..., Schedule]] = {
     "rotor": solve_rotor,
     "rockmate": solve_rockmate,
     "dtr": solve_dtr,
+    "peak_shaving": solve_peak_shaving,
 }
 # Every solver in SOLVERS runs on any graph, imported ones included; these need a captured
 # graph (`graph.joint`), so the runtime offers them but graph-only tools do not.
@@ -36,6 +38,7 @@ __all__ = [
     "InfeasibleBudget", "InvalidSchedule", "Op", "Schedule", "SimulationResult",
     "budget_bounds", "checkmate_reference_peak", "format_bytes", "free_at_last_use", "load_checkmate_graph",
     "min_feasible_budget", "simulate", "solve_checkpoint_blocks", "solve_dtr", "solve_greedy_checkpoints", "solve_ilp",
+    "solve_peak_shaving",
     "solve_rockmate", "solve_rotor",
     "solve_sqrt_segments", "solve_store_all", "solve_torch_budget",
 ]

@@ -24,6 +24,7 @@ from solvers import (
     solve_dtr,
     solve_greedy_checkpoints,
     solve_ilp,
+    solve_peak_shaving,
     solve_sqrt_segments,
     solve_store_all,
 )
@@ -249,6 +250,23 @@ def test_greedy_checkpoints_fit_down_to_the_minimum_memory_schedule(seed: int, f
     s = solve_greedy_checkpoints(graph, budget)
     assert simulate(graph, s, budget).peak == s.predicted_peak <= budget
     assert s.predicted_time <= min_memory_schedule(graph).predicted_time
+
+
+@FAST
+@given(seed=st.integers(0, 10**6), fraction=st.floats(0, 1))
+def test_peak_shaving_is_valid_above_the_floor_and_store_all_when_it_fits(seed: int, fraction: float) -> None:
+    graph = random_training_graph(seed)
+    store_all = solve_store_all(graph)
+    low = min_feasible_budget(graph)
+    budget = int(low + fraction * (store_all.predicted_peak - low))
+    try:
+        s = solve_peak_shaving(graph, budget, time_limit=5)
+    except InfeasibleBudget:
+        return  # a forward peak it cannot lower, or a greedy dead end
+    assert simulate(graph, s, budget).peak == s.predicted_peak <= budget
+    assert time_lower_bound(graph, budget)[0] <= s.predicted_time + 1e-9
+    if fraction == 1:
+        assert s.predicted_time == store_all.predicted_time and s.extra["drops"] == 0
 
 
 @settings(max_examples=40, deadline=None)

@@ -1,0 +1,238 @@
+"""Heuristic: run the forward once, then shave the backward's memory peaks by recomputation.
+
+A schedule of this family is a set of drops (d, r): value d is discarded as backward stage r
+starts (stage r: the backward node r and the recomputations it needs), and whatever stage r
+reads that is not alive is recomputed right before it, with its missing ancestors; a value
+then lives until its last read (`free_at_last_use`). No drops is the store-all schedule.
+
+From there, while some step is over the budget: at the highest step, each value alive there
+and read later (not by that step) is a candidate drop at the stage of its next read; the
+candidate with the least added time per byte of total excess (the sum over steps of memory
+above the budget) removed is taken. Then drops that are no longer needed are undone, and each
+drop in turn is ruled out and the rest repaired again, while that finds a faster schedule.
+
+Where the budget is tight at a few backward steps (most budgets above half the peak) it finds
+what DTR, which evicts by a guess of future reuse, misses: on Checkmate's fcn8 at 0.70 of the
+peak +0.89% (DTR +3.04%, the proven floor +0.89%) in 0.5 s. It never recomputes in the forward
+phase, so it cannot fit a budget below what the forward itself needs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from rkgraph.graph import RematGraph
+from solvers.bounds import format_bytes
+from solvers.schedule import Schedule
+from solvers.simulate import InfeasibleBudget, free_at_last_use, simulate
+
+NAME = "peak_shaving"
+
+# Candidates built and measured per step of the repair once one of them helps: on GPT-2 small
+# (683 nodes) a step has hundreds, each build taking about 20 ms.
+SHORTLIST = 24
+Drop = tuple[str, int]  # (data node, index of the backward node whose stage discards it)
+
+
+@dataclass
+class _Trial:
+    drops: frozenset[Drop]
+    schedule: Schedule  # predicted_peak and predicted_time filled
+    values: list[int]  # memory at each op (`_Family._steps`)
+    excess: int  # total bytes above the budget, over all computes
+
+
+class _Family:
+    """Builds and measures the schedules of one graph's family."""
+
+    def __init__(self, graph: RematGraph, budget: int) -> None:
+        self.graph = graph
+        self.budget = budget
+        self.nf = len(graph.forward_nodes)
+        self.tangents = [d for d, dn in graph.data.items() if dn.kind == "tangent"]
+        excluded = {*graph.forward_outputs, *graph.user_outputs, *graph.backward_outputs, *self.tangents}
+        self.droppable = {d for d, dn in graph.data.items()
+                          if dn.producer is not None and d not in excluded
+                          and not graph.node(dn.producer).random}
+        self.built: dict[frozenset[Drop], _Trial | None] = {}
+
+    def build(self, drops: frozenset[Drop]) -> _Trial | None:
+        """The family's schedule for `drops`, measured; None if it would recompute a random
+        node. Each drop set is built once (the repair and the undo revisit many)."""
+        if drops not in self.built:
+            self.built[drops] = self._build(drops)
+        return self.built[drops]
+
+    def _build(self, drops: frozenset[Drop]) -> _Trial | None:
+        graph = self.graph
+        computes = [n.name for n in graph.forward_nodes]
+        available = {d for n in graph.forward_nodes for d in n.outputs} | set(self.tangents)
+
+        def ensure(d: str) -> bool:
+            if d in available or graph.is_source(d):
+                return True
+            producer = graph.node(graph.data[d].producer)
+            if producer.random or not all(ensure(x) for x in producer.inputs):
+                return False
+            computes.append(producer.name)
+            available.update(producer.outputs)
+            return True
+
+        discarded: dict[int, list[str]] = {}
+        for d, r in drops:
+            discarded.setdefault(r, []).append(d)
+        for r in range(self.nf, len(graph.nodes)):
+            available.difference_update(discarded.get(r, ()))
+            if not all(ensure(d) for d in graph.nodes[r].inputs):
+                return None
+            computes.append(graph.nodes[r].name)
+            available.update(graph.nodes[r].outputs)
+        ops, forward_length = free_at_last_use(graph, computes, self.nf)
+        schedule = Schedule(ops, forward_length, solver=NAME, budget=self.budget)
+        values, excess = self._steps(schedule)
+        schedule.predicted_peak = max(values, default=0)
+        schedule.predicted_time = sum(graph.node(op.name).time for op in ops if op.kind == "compute")
+        return _Trial(drops, schedule, values, excess)
+
+    def _steps(self, schedule: Schedule) -> tuple[list[int], int]:
+        """Memory at each op (during a compute: its outputs and workspace included; after a
+        free), as `simulate` counts it, and the total excess of the computes over the budget."""
+        graph = self.graph
+        alive: set[str] = set()
+        memory, values, excess = 0, [], 0
+        for i, op in enumerate(schedule.ops):
+            if i == schedule.forward_length:
+                alive.update(self.tangents)
+                memory += sum(graph.data[d].size for d in self.tangents)
+                excess += max(0, memory - self.budget)
+                values.append(memory)  # the phase boundary, counted with the first backward op
+            if op.kind == "compute":
+                node = graph.node(op.name)
+                new = set(node.outputs) - alive
+                value = memory + sum(graph.data[d].size for d in node.outputs) + node.workspace
+                memory += sum(graph.data[d].size for d in new)
+                alive |= new
+                excess += max(0, value - self.budget)
+            else:  # never above the step before it
+                alive.discard(op.name)
+                memory -= graph.data[op.name].size
+                value = memory
+            if i == schedule.forward_length:
+                values[-1] = max(values[-1], value)
+            else:
+                values.append(value)
+        return values, excess
+
+    def candidates(self, schedule: Schedule, at: int, excluded: frozenset[Drop]) -> list[Drop]:
+        """Drops that take a value alive at op `at` out of it: (d, the stage of its next read),
+        not in `excluded`. When there are more than SHORTLIST, the cheapest per byte first, by
+        the time of recomputing d from what is alive at `at` (a guess, to order the builds)."""
+        graph = self.graph
+        alive: set[str] = set(self.tangents) if at >= schedule.forward_length else set()
+        for op in schedule.ops[:at]:
+            if op.kind == "compute":
+                alive.update(graph.node(op.name).outputs)
+            else:
+                alive.discard(op.name)
+        op = schedule.ops[at]
+        reading = set(graph.node(op.name).inputs) if op.kind == "compute" else set()
+        wanted = (alive - reading) & self.droppable
+        stage = self.nf  # the backward node whose stage op j belongs to
+        found: list[Drop] = []
+        for j, later in enumerate(schedule.ops):
+            if later.kind != "compute" or j < schedule.forward_length:
+                continue
+            node = graph.node(later.name)
+            if j > at:
+                for d in wanted.intersection(node.inputs):
+                    found.append((d, stage))
+                wanted -= set(node.inputs)
+                wanted -= set(node.outputs)  # remade before any read: not this value's read
+            if graph.index[later.name] >= stage:
+                stage = graph.index[later.name] + 1
+        found = [c for c in found if c not in excluded]
+        if len(found) <= SHORTLIST:
+            return found
+
+        def recompute_time(d: str) -> float:
+            needed, stack = set(), [graph.data[d].producer]
+            while stack:
+                name = stack.pop()
+                if name in needed:
+                    continue
+                needed.add(name)
+                stack.extend(graph.data[x].producer for x in graph.node(name).inputs
+                             if x not in alive and not graph.is_source(x))
+            return sum(graph.node(name).time for name in needed)
+
+        return sorted(found, key=lambda c: recompute_time(c[0]) / max(1, graph.data[c[0]].size))
+
+
+def _repair(family: _Family, trial: _Trial, deadline: float,
+            ruled_out: frozenset[Drop] = frozenset()) -> _Trial | None:
+    """Add drops to `trial`'s, greedily, until the schedule fits; None if it cannot or time
+    runs out."""
+    while trial.excess > 0:
+        if time.perf_counter() > deadline:
+            return None
+        at = max(range(len(trial.values)), key=trial.values.__getitem__)
+        best: tuple[float, _Trial] | None = None
+        for tried, drop in enumerate(family.candidates(trial.schedule, at, trial.drops | ruled_out)):
+            if time.perf_counter() > deadline:
+                return None
+            if tried >= SHORTLIST and best is not None:
+                break  # the likeliest were built and one helps
+            other = family.build(trial.drops | {drop})
+            if other is None or other.excess >= trial.excess:
+                continue
+            cost = (other.schedule.predicted_time - trial.schedule.predicted_time) / (trial.excess - other.excess)
+            if best is None or cost < best[0]:
+                best = (cost, other)
+        if best is None:
+            return None
+        trial = best[1]
+    return trial
+
+
+def _undo_unneeded(family: _Family, trial: _Trial) -> _Trial:
+    improved = True
+    while improved:
+        improved = False
+        for drop in sorted(trial.drops):
+            other = family.build(trial.drops - {drop})
+            if (other is not None and other.excess == 0
+                    and other.schedule.predicted_time < trial.schedule.predicted_time):
+                trial, improved = other, True
+    return trial
+
+
+def solve_peak_shaving(graph: RematGraph, budget: int, time_limit: float = 2.0, good_enough: float = 0.0,
+                       **_: object) -> Schedule:
+    """The fastest schedule of the family found within `time_limit` seconds, or the first found
+    whose time is at most `good_enough` (a proven floor plus a gap: searching on cannot pay). Raises
+    InfeasibleBudget when the search finds none that fits (a forward peak above the budget,
+    or no time to finish the first repair)."""
+    start = time.perf_counter()
+    deadline = start + time_limit
+    family = _Family(graph, budget)
+    first = _repair(family, family.build(frozenset()), deadline)
+    if first is None:
+        raise InfeasibleBudget(f"peak shaving found no schedule within {budget} bytes ({format_bytes(budget)})")
+    best = _undo_unneeded(family, first)
+    improved = True
+    while improved and best.schedule.predicted_time > good_enough and time.perf_counter() < deadline:
+        improved = False
+        for drop in sorted(best.drops):
+            repaired = _repair(family, family.build(best.drops - {drop}), deadline, ruled_out=frozenset({drop}))
+            if repaired is None:
+                continue
+            other = _undo_unneeded(family, repaired)
+            if other.schedule.predicted_time < best.schedule.predicted_time:
+                best, improved = other, True
+                break
+    schedule = best.schedule
+    simulate(graph, schedule, budget)  # the referee, on the one schedule returned
+    schedule.extra = {"drops": len(best.drops)}
+    schedule.solve_time = time.perf_counter() - start
+    return schedule
