@@ -65,7 +65,7 @@ def solve_ilp(graph: RematGraph, budget: int, time_limit: float = 60, mip_rel_ga
     # far better ones.
     floor = time_lower_bound(graph, budget)[0]
     if known is None:
-        fitting += heuristic_candidates(graph, budget, time_limit=min(10.0, 0.15 * time_limit),
+        fitting += heuristic_candidates(graph, budget, time_limit=min(10.0, 0.3 * time_limit),
                                         good_enough=floor * (1 + mip_rel_gap))
     fitting.sort(key=lambda s: s.predicted_time)
     if fitting and fitting[0].predicted_time <= floor * (1 + mip_rel_gap):

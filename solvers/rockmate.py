@@ -115,9 +115,10 @@ def block_options(sub: RematGraph, time_limit: float) -> tuple[list[BlockOption]
 
 def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slots: int = 500,
                    block_time_limit: float = 1.0, gap: float = 0.01, **_: object) -> Schedule:
-    """Fastest schedule found within `budget` bytes. `time_limit` bounds the flat-ILP fallback,
-    `block_time_limit` the MILP solves of one distinct block; the search stops as soon as a
-    schedule is within `gap` (relative) of the proven lower bound on time. Raises
+    """Fastest schedule found within `budget` bytes, in about `time_limit` seconds (more only
+    when nothing fits yet); `block_time_limit` bounds the MILP solves of one distinct block.
+    The search stops as soon as a schedule is within `gap` (relative) of the proven lower
+    bound on time. Raises
     InfeasibleBudget, with the smallest feasible budget in the message, when nothing fits."""
     start = time.perf_counter()
     bounds = budget_bounds(graph)
@@ -135,7 +136,7 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
         # The heuristics first: they take a fraction of a second and often meet the bound
         # (GPT-2 small at 0.95 down to the minimum: DTR is rockmate's answer at every budget),
         # and they beat the chain plan where the chain model is coarse.
-        candidates += heuristic_candidates(graph, budget, time_limit=min(3.0, time_limit / 4),
+        candidates += heuristic_candidates(graph, budget, time_limit=min(3.0, time_limit / 2),
                                            good_enough=floor * (1 + gap))
         forward_blocks, _ = chain_blocks(graph)
         if searching() and len(forward_blocks) > 1:
@@ -143,7 +144,9 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
 
             def options(sub: RematGraph) -> list[BlockOption]:
                 nonlocal solves
-                found, count = block_options(sub, block_time_limit)
+                # Within the caller's time limit: late blocks get less, at worst no MILP solve.
+                left = time_limit - (time.perf_counter() - start)
+                found, count = block_options(sub, min(block_time_limit, max(0.0, left / 4)))
                 solves += count
                 return found
 
@@ -153,8 +156,10 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
             candidates += [s for s in (chained, rotor) if s is not None]
             extra.update({"blocks": len(chain.blocks), "distinct_blocks": chain.distinct, "ilp_solves": solves,
                           "options_per_block": [len(b.options) for b in chain.blocks]})
-        if searching() and (len(forward_blocks) <= 1 or len(graph.nodes) <= FLAT_ILP_MAX_NODES):
-            remaining = max(1.0, time_limit - (time.perf_counter() - start))
+        remaining = time_limit - (time.perf_counter() - start)
+        if (searching() and (len(forward_blocks) <= 1 or len(graph.nodes) <= FLAT_ILP_MAX_NODES)
+                and (not candidates or remaining > 0.5)):
+            remaining = max(1.0, remaining)
             if candidates:
                 # Something already fits: the flat MILP rarely improves on it on whole models
                 # (GPT at 0.35 spent 63 s for nothing), so it only gets a short look, from it.
