@@ -21,7 +21,7 @@ import torch
 from rockplan import zoo
 from rockplan.budget import format_bytes
 from rockplan.memory import measure_step
-from rockplan.runtime import Rockmate
+from rockplan import Rockmate
 
 
 def main() -> None:

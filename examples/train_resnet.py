@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from rockplan.budget import format_bytes
 from rockplan.memory import measure_step
-from rockplan.runtime import Rockmate
+from rockplan import Rockmate
 from rockplan.zoo import ResNet
 
 

@@ -1,0 +1,10 @@
+"""rockplan: train a PyTorch model within a memory budget by planned rematerialization.
+
+    from rockplan import Rockmate
+    rk = Rockmate(model, sample, budget=0.5)   # same outputs and gradients, less memory
+"""
+
+from rockplan.memory import measure_step
+from rockplan.runtime import Rockmate
+
+__all__ = ["Rockmate", "measure_step"]
