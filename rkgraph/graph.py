@@ -80,6 +80,11 @@ class RematGraph:
         for n in self.nodes:
             for d in n.inputs:
                 self.users[d].append(n.name)
+        # Per node, its distinct non-source inputs: what schedule replays (run thousands of
+        # times by the searches) track.
+        self.reads: dict[str, tuple[str, ...]] = {
+            n.name: tuple(dict.fromkeys(d for d in n.inputs if self.data[d].kind not in SOURCE_KINDS))
+            for n in self.nodes}
 
     def node(self, name: str) -> ComputeNode:
         return self.nodes[self.index[name]]

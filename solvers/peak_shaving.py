@@ -56,6 +56,7 @@ class _Family:
                           if dn.producer is not None and d not in excluded
                           and not graph.node(dn.producer).random}
         self.built: dict[frozenset[Drop], _Trial | None] = {}
+        self.step_bytes = {n.name: sum(graph.data[d].size for d in n.outputs) + n.workspace for n in graph.nodes}
 
     def build(self, drops: frozenset[Drop]) -> _Trial | None:
         """The family's schedule for `drops`, measured; None if it would recompute a random
@@ -108,11 +109,11 @@ class _Family:
                 excess += max(0, memory - self.budget)
                 values.append(memory)  # the phase boundary, counted with the first backward op
             if op.kind == "compute":
-                node = graph.node(op.name)
-                new = set(node.outputs) - alive
-                value = memory + sum(graph.data[d].size for d in node.outputs) + node.workspace
-                memory += sum(graph.data[d].size for d in new)
-                alive |= new
+                value = memory + self.step_bytes[op.name]
+                for d in graph.node(op.name).outputs:
+                    if d not in alive:
+                        alive.add(d)
+                        memory += graph.data[d].size
                 excess += max(0, value - self.budget)
             else:  # never above the step before it
                 alive.discard(op.name)

@@ -136,11 +136,9 @@ class _Liveness:
         self.defs: dict[str, list[int]] = defaultdict(list)
         self.reads: dict[str, list[int]] = defaultdict(list)
         for p, name in enumerate(computes):
-            node = graph.node(name)
-            for d in dict.fromkeys(node.inputs):
-                if not graph.is_source(d):
-                    self.reads[d].append(p)
-            for d in node.outputs:
+            for d in graph.reads[name]:
+                self.reads[d].append(p)
+            for d in graph.node(name).outputs:
                 self.defs[d].append(p)
         self.length = len(computes)
 
@@ -180,7 +178,7 @@ def _drop_dead(graph: RematGraph, computes: list[str], forward_count: int,
             for d in node.outputs:
                 pending_reads[d] = 0
                 next_def[d] = p
-            for d in dict.fromkeys(node.inputs):
+            for d in graph.reads[node.name]:
                 pending_reads[d] += 1
     forward_count = sum(kept[:forward_count])
     return [c for p, c in enumerate(computes) if kept[p]], forward_count
