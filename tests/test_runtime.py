@@ -65,6 +65,22 @@ def test_same_gradients_and_budget_honoured(name: str, budget: float | str) -> N
     assert abs(measured - predicted) <= 0.10 * measured, f"predicted {predicted} B, measured {measured} B"
 
 
+@pytest.mark.parametrize("solver", ["dtr", "peak_shaving"])
+@pytest.mark.parametrize("name", ["gpt", "resnet"])
+def test_heuristic_plans_run_bitwise_like_store_all(name: str, solver: str) -> None:
+    # Rockmate often returns these heuristics' schedules; each must also run as planned.
+    model, args, kwargs, _loss = zoo.make(name, "tiny")
+    stored_model = copy.deepcopy(model)
+    rk = Rockmate(model, (args, kwargs), 0.7, solver=solver)
+    assert rk.schedule.solver == solver and sum(op.kind == "compute" for op in rk.schedule.ops) > len(rk.graph.nodes)
+    planned = measure_step(_step, rk, args, kwargs)
+    stored = _step(Rockmate(stored_model, (args, kwargs), 1.0, solver="store_all"), args, kwargs)
+    torch.testing.assert_close(planned.result, stored, rtol=0, atol=0)
+    _assert_same_state(model, stored_model)
+    assert planned.peak <= rk.budget
+    assert abs(planned.peak - rk.schedule.predicted_peak) <= 0.10 * planned.peak
+
+
 @pytest.mark.parametrize("name", ["gpt", "resnet"])
 def test_parameters_identical_after_three_optimizer_steps(name: str) -> None:
     model, args, kwargs, loss_fn = zoo.make(name, "tiny")
