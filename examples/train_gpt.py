@@ -18,10 +18,9 @@ import time
 
 import torch
 
-from rockplan import zoo
+from rockplan import Rockmate, zoo
 from rockplan.budget import format_bytes
 from rockplan.memory import measure_step
-from rockplan import Rockmate
 
 
 def main() -> None:

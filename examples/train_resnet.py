@@ -18,9 +18,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+from rockplan import Rockmate
 from rockplan.budget import format_bytes
 from rockplan.memory import measure_step
-from rockplan import Rockmate
 from rockplan.zoo import ResNet
 
 
