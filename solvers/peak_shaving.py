@@ -201,18 +201,29 @@ def _repair(family: _Family, trial: _Trial, deadline: float,
             return None
         at = max(range(len(trial.values)), key=trial.values.__getitem__)
         measured: list[tuple[float, Drop, int]] = []  # (time per byte of excess removed, drop, bytes)
+        lowering: list[tuple[int, float, _Trial]] = []  # (excess, time, trial): lower peaks only
         for tried, drop in enumerate(family.candidates(trial.schedule, trial.values, at, trial.drops | ruled_out)):
             if time.perf_counter() > deadline:
                 return None
             if tried >= SHORTLIST and measured:
                 break  # the likeliest were built and one helps
             other = family.build(trial.drops | {drop})
-            if other is None or other.excess >= trial.excess:
+            if other is None:
+                continue
+            if other.excess >= trial.excess:
+                if other.schedule.predicted_peak < trial.schedule.predicted_peak:
+                    lowering.append((other.excess, other.schedule.predicted_time, other))
                 continue
             removed = trial.excess - other.excess
             measured.append(((other.schedule.predicted_time - trial.schedule.predicted_time) / removed, drop, removed))
         if not measured:
-            return None
+            if not lowering:
+                return None
+            # A local minimum of the excess (each drop adds more elsewhere, at the step where
+            # its value comes back): lower the peak anyway, adding the least excess. Drops
+            # only accumulate, so this ends.
+            trial = min(lowering, key=lambda entry: entry[:2])[2]
+            continue
         measured.sort()
         chosen, total = [], 0
         for _, drop, removed in measured:
@@ -241,6 +252,16 @@ def _undo_unneeded(family: _Family, trial: _Trial, deadline: float) -> _Trial:
     return trial
 
 
+def _dearest_first(family: _Family, trial: _Trial) -> list[Drop]:
+    """`trial`'s drops, those whose undoing saves most time first (the undo phase has built
+    each schedule without one drop already): ruling them out is likeliest to pay."""
+    def saved(drop: Drop) -> float:
+        other = family.build(trial.drops - {drop})
+        return 0.0 if other is None else trial.schedule.predicted_time - other.schedule.predicted_time
+
+    return sorted(trial.drops, key=lambda drop: (-saved(drop), drop))
+
+
 def solve_peak_shaving(graph: RematGraph, budget: int, time_limit: float = 2.0, good_enough: float = 0.0,
                        **_: object) -> Schedule:
     """The fastest schedule of the family found within `time_limit` seconds, or the first found
@@ -257,7 +278,7 @@ def solve_peak_shaving(graph: RematGraph, budget: int, time_limit: float = 2.0, 
     improved = True
     while improved and best.schedule.predicted_time > good_enough and time.perf_counter() < deadline:
         improved = False
-        for drop in sorted(best.drops):
+        for drop in _dearest_first(family, best):
             repaired = _repair(family, family.build(best.drops - {drop}), deadline, ruled_out=frozenset({drop}))
             if repaired is None:
                 continue
