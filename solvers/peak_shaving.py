@@ -175,11 +175,12 @@ class _Family:
             return sum(graph.node(name).time for name in needed)
 
         # Where d is absent once dropped: from its last use before `at` to its next read.
+        targets = {d for d, _ in found}
         last_use: dict[str, int] = {}
         for k in range(at - 1, -1, -1):
             if schedule.ops[k].kind == "compute":
                 node = graph.node(schedule.ops[k].name)
-                for d in wanted.intersection(node.inputs) | wanted.intersection(node.outputs):
+                for d in targets.intersection(node.inputs) | targets.intersection(node.outputs):
                     last_use.setdefault(d, k)
         over = np.maximum(0, np.asarray(values) - self.budget)
 
