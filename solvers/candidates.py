@@ -45,7 +45,7 @@ def heuristic_candidates(graph: RematGraph, budget: int, time_limit: float,
 
     for heuristic in DTR_HEURISTICS:
         attempt(solve_dtr, heuristic=heuristic)
-    shaved = (searching() and attempt(solve_peak_shaving, good_enough=good_enough,
+    shaved = (searching() and attempt(solve_peak_shaving, good_enough=good_enough, seeds=list(found),
                                       time_limit=SHAVING_SHARE * max(0.0, deadline - time.perf_counter()))
               and min(found, key=lambda s: s.predicted_time).solver == "peak_shaving")
     if searching():

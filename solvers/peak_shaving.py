@@ -10,6 +10,7 @@ and read later (not by that step) is a candidate drop at the stage of its next r
 candidate with the least added time per byte of total excess (the sum over steps of memory
 above the budget) removed is taken. Then drops that are no longer needed are undone, and each
 drop in turn is ruled out and the rest repaired again, while that finds a faster schedule.
+The same search also starts from DTR's schedule read as drops, and so improves on it.
 
 Where the budget is tight at a few backward steps (most budgets above half the peak) it finds
 what DTR, which evicts by a guess of future reuse, misses: on Checkmate's fcn8 at 0.70 of the
@@ -20,12 +21,14 @@ phase, so it cannot fit a budget below what the forward itself needs.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from rkgraph.graph import RematGraph
 from solvers.bounds import format_bytes
+from solvers.dtr import solve_dtr
 from solvers.schedule import Schedule
 from solvers.simulate import InfeasibleBudget, free_at_last_use, simulate
 
@@ -263,19 +266,29 @@ def _dearest_first(family: _Family, trial: _Trial) -> list[Drop]:
     return sorted(trial.drops, key=lambda drop: (-saved(drop), drop))
 
 
-def solve_peak_shaving(graph: RematGraph, budget: int, time_limit: float = 2.0, good_enough: float = 0.0,
-                       **_: object) -> Schedule:
-    """The fastest schedule of the family found within `time_limit` seconds, or the first found
-    whose time is at most `good_enough` (a proven floor plus a gap: searching on cannot pay). Raises
-    InfeasibleBudget when the search finds none that fits (a forward peak above the budget,
-    or no time to finish the first repair)."""
-    start = time.perf_counter()
-    deadline = start + time_limit
-    family = _Family(graph, budget)
-    first = _repair(family, family.build(frozenset()), deadline)
-    if first is None:
-        raise InfeasibleBudget(f"peak shaving found no schedule within {budget} bytes ({format_bytes(budget)})")
-    best = _undo_unneeded(family, first, deadline)
+def _drops_of(family: _Family, schedule: Schedule) -> frozenset[Drop]:
+    """The drops under which the family replays `schedule`'s backward recomputations: each
+    output of a node recomputed in stage r, discarded as r starts. Exact when `schedule` runs
+    the forward once (DTR's schedules, usually); otherwise a start that the repair completes."""
+    graph = family.graph
+    drops: set[Drop] = set()
+    computed: set[str] = set()
+    stage = family.nf
+    for i, op in enumerate(schedule.ops):
+        if op.kind != "compute":
+            continue
+        index = graph.index[op.name]
+        if i >= schedule.forward_length and op.name in computed and index < stage:
+            drops.update((d, stage) for d in graph.node(op.name).outputs if d in family.droppable)
+        computed.add(op.name)
+        if i >= schedule.forward_length and index >= stage:
+            stage = index + 1
+    return frozenset(drops)
+
+
+def _improve(family: _Family, best: _Trial, deadline: float, good_enough: float) -> _Trial:
+    """Ruin and recreate: rule out one drop, dearest first, repair, undo; keep what is faster."""
+    best = _undo_unneeded(family, best, deadline)
     improved = True
     while improved and best.schedule.predicted_time > good_enough and time.perf_counter() < deadline:
         improved = False
@@ -287,6 +300,42 @@ def solve_peak_shaving(graph: RematGraph, budget: int, time_limit: float = 2.0, 
             if other.schedule.predicted_time < best.schedule.predicted_time:
                 best, improved = other, True
                 break
+    return best
+
+
+def solve_peak_shaving(graph: RematGraph, budget: int, time_limit: float = 2.0, good_enough: float = 0.0,
+                       seeds: Sequence[Schedule] | None = None, **_: object) -> Schedule:
+    """The fastest schedule of the family found within `time_limit` seconds, or the first found
+    whose time is at most `good_enough` (a proven floor plus a gap: searching on cannot pay).
+
+    The search starts from no drops and from each of `seeds` (schedules to improve on; by
+    default DTR's), read as drops: from DTR's schedule it is a local search that only keeps
+    what is faster (GPT at 0.7, roofline costs: DTR +3.64%, improved to +3.22%; from no drops
+    +4.40%). Raises InfeasibleBudget when no start fits (a forward peak above the budget, or
+    no time to finish a repair)."""
+    start = time.perf_counter()
+    deadline = start + time_limit
+    family = _Family(graph, budget)
+    if seeds is None:
+        try:
+            seeds = [solve_dtr(graph, budget)]
+        except InfeasibleBudget:
+            seeds = []
+    starts = []
+    for drops in (frozenset(), *(_drops_of(family, seed) for seed in seeds)):
+        trial = family.build(drops)
+        repaired = None if trial is None else _repair(family, trial, deadline)
+        if repaired is not None:
+            starts.append(_undo_unneeded(family, repaired, deadline))
+    if not starts:
+        raise InfeasibleBudget(f"peak shaving found no schedule within {budget} bytes ({format_bytes(budget)})")
+    starts.sort(key=lambda trial: trial.schedule.predicted_time)
+    best = starts[0]
+    for k, trial in enumerate(starts):  # each start gets an equal share of the time left
+        share = (deadline - time.perf_counter()) / (len(starts) - k)
+        improved = _improve(family, trial, time.perf_counter() + share, good_enough)
+        if improved.schedule.predicted_time < best.schedule.predicted_time:
+            best = improved
     schedule = best.schedule
     simulate(graph, schedule, budget)  # the referee, on the one schedule returned
     schedule.extra = {"drops": len(best.drops)}

@@ -69,3 +69,14 @@ def test_peak_shaving_meets_the_floor_where_dtr_does_not() -> None:
     assert simulate(graph, s, budget).peak <= budget
     floor = time_lower_bound(graph, budget)[0]
     assert s.predicted_time <= floor * 1.0001 < solve_dtr(graph, budget).predicted_time
+
+
+def test_peak_shaving_improves_on_dtrs_schedule() -> None:
+    # mobilenet at 0.70: the search started from DTR's schedule (read as drops) keeps only
+    # what is faster: +0.63% against DTR's +0.68% (the reference MILP: +0.73% in 48.6 s).
+    graph = load_checkmate_graph(GRAPHS / "mobilenet.json")
+    budget = int(0.70 * checkmate_reference_peak(graph))
+    dtr = solve_dtr(graph, budget)
+    s = solve_peak_shaving(graph, budget, time_limit=30, seeds=[dtr])
+    assert simulate(graph, s, budget).peak <= budget
+    assert s.predicted_time < dtr.predicted_time
