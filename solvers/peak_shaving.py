@@ -105,7 +105,9 @@ class _Family:
 
     def _steps(self, schedule: Schedule) -> tuple[list[int], int]:
         """Memory at each op (during a compute: its outputs and workspace included; after a
-        free), as `simulate` counts it, and the total excess of the computes over the budget."""
+        free), as `simulate` counts it, and the total excess of the computes over the budget.
+        A twin of `simulate`'s accounting, without its checks: a trial built through `simulate`
+        takes 40% longer, and only the schedule returned needs the referee."""
         graph = self.graph
         alive: set[str] = set()
         memory, values, excess = 0, [], 0

@@ -48,34 +48,37 @@ def simulate(graph: RematGraph, schedule: Schedule, budget: int | None = None) -
     curve: list[int] = []
     time = 0.0
     counts: dict[str, int] = defaultdict(int)
+    user_outputs, backward_outputs = frozenset(graph.user_outputs), frozenset(graph.backward_outputs)
+    tangents = frozenset(_tangents(graph))
 
-    def fail(where: str, why: str) -> InvalidSchedule:
-        return InvalidSchedule(f"{where}: {why}")
+    def fail(where: int | str, why: str) -> InvalidSchedule:
+        """`where`: an op's index, or a place in words ("end of schedule")."""
+        place = f"op {where} ({schedule.ops[where]})" if isinstance(where, int) else where
+        return InvalidSchedule(f"{place}: {why}")
 
-    def note_peak(value: int, where: str) -> None:
+    def note_peak(value: int, where: int | str) -> None:
         nonlocal peak
         peak = max(peak, value)
         if budget is not None and value > budget:
             raise fail(where, f"memory {value} bytes exceeds the budget of {budget} bytes")
 
-    def check_required(required: Iterable[str], where: str, what: str) -> None:
+    def check_required(required: Iterable[str], where: int | str, what: str) -> None:
         for d in required:
             if d not in graph.data:
                 raise fail(where, f"{what} {d} is not a data node of the graph")
             if not graph.is_source(d) and d not in alive:
                 raise fail(where, f"{what} {d} is not alive")
 
-    def enter_backward(where: str) -> None:
+    def enter_backward(where: int | str) -> None:
         """Phase boundary: forward outputs must be alive, then the tangents appear (counted)."""
         nonlocal memory
         check_required(graph.forward_outputs, where, "at the end of the forward phase, forward output")
-        tangents = _tangents(graph)
         alive.update(tangents)
         memory += sum(graph.data[d].size for d in tangents)
         note_peak(memory, where)
 
     for i, op in enumerate(schedule.ops):
-        where = f"op {i} ({op})"
+        where = i  # formatted only into an error message: searches replay thousands of schedules
         if i == schedule.forward_length:
             enter_backward(where)
         backward_phase = i >= schedule.forward_length
@@ -87,8 +90,8 @@ def simulate(graph: RematGraph, schedule: Schedule, budget: int | None = None) -
                 raise fail(where, "backward node computed in the forward phase")
             if node.random and counts[op.name] >= 1:
                 raise fail(where, "random node computed twice (it would draw a different mask)")
-            for d in node.inputs:
-                if not graph.is_source(d) and d not in alive:
+            for d in graph.reads[op.name]:
+                if d not in alive:
                     raise fail(where, f"input {d} is not alive")
             outputs = set(node.outputs)
             note_peak(memory + sum(graph.data[d].size for d in outputs) + node.workspace, where)
@@ -105,11 +108,11 @@ def simulate(graph: RematGraph, schedule: Schedule, budget: int | None = None) -
                 raise fail(where, f"{op.name} is a source ({graph.data[op.name].kind}), never freed")
             if op.name not in alive:
                 raise fail(where, f"{op.name} is not alive")
-            if backward_phase and op.name in graph.user_outputs:
+            if backward_phase and op.name in user_outputs:
                 raise fail(where, f"{op.name} is returned to the user, who holds it until the step ends")
-            if op.name in graph.backward_outputs:
+            if op.name in backward_outputs:
                 raise fail(where, f"{op.name} is a backward output, returned when the backward ends")
-            if graph.data[op.name].kind == "tangent":
+            if op.name in tangents:
                 raise fail(where, f"{op.name} is a tangent: autograd holds it until the backward returns")
             alive.remove(op.name)
             memory -= graph.data[op.name].size
