@@ -60,9 +60,9 @@ def solve_ilp(graph: RematGraph, budget: int, time_limit: float = 60, mip_rel_ga
                               {"status": "Optimal (store-all fits)", "schedule_from": store_all.solver})
 
     # The segment baselines cannot fit tight budgets, and a minimum-memory warm start is so slow
-    # that HiGHS may never improve on it in time: the heuristics (fast, and often
-    # the best incumbent on flat graphs: gpt at 0.7, 3.7% against the MILP's 27% in 30 s) give
-    # far better ones.
+    # that HiGHS may never improve on it in time: the heuristics (fast, and often the best
+    # incumbent on flat graphs: gpt at 0.7, 3.7% against the MILP's 27% in 30 s) give far
+    # better ones.
     floor = time_lower_bound(graph, budget)[0]
     if known is None:
         fitting += heuristic_candidates(graph, budget, time_limit=min(10.0, 0.3 * time_limit),

@@ -118,8 +118,8 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
     """Fastest schedule found within `budget` bytes, in about `time_limit` seconds (more only
     when nothing fits yet); `block_time_limit` bounds the MILP solves of one distinct block.
     The search stops as soon as a schedule is within `gap` (relative) of the proven lower
-    bound on time. Raises
-    InfeasibleBudget, with the smallest feasible budget in the message, when nothing fits."""
+    bound on time. Raises InfeasibleBudget, with the smallest feasible budget in the message,
+    when nothing fits."""
     start = time.perf_counter()
     bounds = budget_bounds(graph)
     if budget < bounds.lower:
