@@ -136,7 +136,7 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
         # The heuristics first: they take a fraction of a second and often meet the bound
         # (GPT-2 small at 0.95 down to the minimum: DTR is rockmate's answer at every budget),
         # and they beat the chain plan where the chain model is coarse.
-        candidates += heuristic_candidates(graph, budget, time_limit=min(3.0, time_limit / 2),
+        candidates += heuristic_candidates(graph, budget, time_limit=min(3.0, 0.8 * time_limit),
                                            good_enough=floor * (1 + gap))
         forward_blocks, _ = chain_blocks(graph)
         if searching() and len(forward_blocks) > 1:
