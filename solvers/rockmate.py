@@ -41,6 +41,7 @@ BLOCK_GAP = 0.02  # relative MIP gap of a block solve: options need not be exact
 # graph that has a chain of blocks: on GPT-2 small (683 nodes) building it took 20 s and HiGHS
 # found nothing in 60 s, while the chain and the heuristics answered in 5 s.
 FLAT_ILP_MAX_NODES = 200
+FLAT_ILP_MIN_LOOK = 2.0  # seconds
 
 
 def _dominated(option: BlockOption, others: list[BlockOption]) -> bool:
@@ -137,7 +138,7 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
         # (GPT-2 small at 0.95 down to the minimum: DTR is rockmate's answer at every budget),
         # and they beat the chain plan where the chain model is coarse.
         candidates += heuristic_candidates(graph, budget, time_limit=min(3.0, 0.8 * time_limit),
-                                           good_enough=floor * (1 + gap))
+                                           good_enough=floor * (1 + gap), known=candidates)
         forward_blocks, _ = chain_blocks(graph)
         if searching() and len(forward_blocks) > 1:
             solves = 0
@@ -157,13 +158,15 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
             extra.update({"blocks": len(chain.blocks), "distinct_blocks": chain.distinct, "ilp_solves": solves,
                           "options_per_block": [len(b.options) for b in chain.blocks]})
         remaining = time_limit - (time.perf_counter() - start)
+        # A flat MILP's look shorter than FLAT_ILP_MIN_LOOK never improved a schedule found, and
+        # building the model takes seconds of its own (1.5 s on mobilenet, 185 nodes).
         if (searching() and (len(forward_blocks) <= 1 or len(graph.nodes) <= FLAT_ILP_MAX_NODES)
-                and (not candidates or remaining > 0.5)):
+                and (not candidates or remaining > FLAT_ILP_MIN_LOOK)):
             remaining = max(1.0, remaining)
             if candidates:
                 # Something already fits: the flat MILP rarely improves on it on whole models
                 # (GPT at 0.35 spent 63 s for nothing), so it only gets a short look, from it.
-                remaining = min(remaining, max(1.0, 0.1 * time_limit))
+                remaining = min(remaining, max(FLAT_ILP_MIN_LOOK, 0.1 * time_limit))
             candidates.append(solve_ilp(graph, budget, time_limit=remaining, mip_rel_gap=gap, known=candidates))
     if not candidates:
         raise InfeasibleBudget(f"no schedule found within {budget} bytes ({format_bytes(budget)}); "
