@@ -10,8 +10,9 @@ runtime: rotor, DTR, and "torch_budget": PyTorch's min-cut partitioner under
 `torch.compile` (aot_eager) with `activation_memory_budget` (the knob whose measured peak fits
 the budget, fastest first; CUDA only: under the CPU tracker's dispatch mode dynamo runs the
 model eagerly), and plain eager (store everything). Peaks are measured by rockplan's tracker (the CUDA
-allocator on CUDA); times are medians of steps interleaved with eager steps (A B A B), reported
-as ratios to eager, because these machines are shared and noisy. Writes a markdown table and a
+allocator on CUDA); at each budget, eager and every method that fits run their steps in turn
+(E A B C E A B C ...), and times are medians reported as ratios to eager's, because these
+machines are shared and noisy. Writes a markdown table and a
 Pareto plot (step time against measured peak, one line per method).
 """
 
@@ -77,16 +78,23 @@ def checkpoint_every_block(model: torch.nn.Module, containers: list[str]) -> tor
     return model
 
 
-def interleaved(step_a: Callable[[], object], step_b: Callable[[], object], repeats: int) -> float:
-    """Median time of b over median time of a, runs alternating a b a b (after one warm-up each)."""
-    times: dict[str, list[float]] = {"a": [], "b": []}
+def round_robin(steps: list[Callable[[], object]], repeats: int) -> list[float]:
+    """Median time of each step, the steps run in turn (a b c a b c ...) after one warm-up
+    each: methods compared at a budget share the same moments of a noisy machine."""
+    times: list[list[float]] = [[] for _ in steps]
     for i in range(repeats + 1):
-        for key, fn in (("a", step_a), ("b", step_b)):
+        for k, fn in enumerate(steps):
             start = time.perf_counter()
             fn()
             if i:
-                times[key].append(time.perf_counter() - start)
-    return statistics.median(times["b"]) / statistics.median(times["a"])
+                times[k].append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
+def ratio_to_first(steps: list[Callable[[], object]], repeats: int) -> list[float]:
+    """Each step's median time over the first's (eager's), measured round robin."""
+    medians = round_robin(steps, repeats)
+    return [m / medians[0] for m in medians[1:]]
 
 
 def bench_model(name: str, size: str, ratios: list[float], repeats: int, solvers: list[str]) -> list[Row]:
@@ -116,8 +124,7 @@ def bench_model(name: str, size: str, ratios: list[float], repeats: int, solvers
     logging.info("%s: eager peak %s, predicted store-all %s", name, format_bytes(rows[0].peak), format_bytes(reference))
 
     blocks = checkpoint_every_block(model, [f"model.{c}".rstrip(".") for c in CHECKPOINT_CONTAINERS[name]])
-    checkpointed = Row(name, 0.0, 0, "torch.utils.checkpoint per block", peak(blocks),
-                       interleaved(step(eager), step(blocks), repeats))
+    blocks_peak = peak(blocks)
 
     compiled: list[Row] = []
     # The CPU tracker is a TorchDispatchMode, under which dynamo runs the model eagerly: the
@@ -131,27 +138,37 @@ def bench_model(name: str, size: str, ratios: list[float], repeats: int, solvers
             measured = peak(module)  # compiles under the patched knob
             plan_time = time.perf_counter() - start
         compiled.append(Row(name, 0.0, 0, f"torch.compile budget={knob}", measured,
-                            interleaved(step(eager), step(module), repeats), plan_time=plan_time))
+                            ratio_to_first([step(eager), step(module)], repeats)[0], plan_time=plan_time))
 
     for ratio in ratios:
         budget = int(ratio * reference)
+        planned: list[tuple[Row, Rockmate]] = []
         for solver in solvers:
             row = Row(name, ratio, budget, f"rockplan ({solver})")
+            rows.append(row)
             try:
                 start = time.perf_counter()
                 rk = Rockmate(copy.deepcopy(model), (args, kwargs), budget, solver=solver)
                 row.plan_time = time.perf_counter() - start
             except (InfeasibleBudget, InvalidSchedule) as e:
                 row.note = str(e).splitlines()[0][:120]
-                rows.append(row)
                 continue
             row.peak = peak(rk)
-            row.time_ratio = interleaved(step(eager), step(rk), repeats)
             # against the store-all time of the same profile (each plan profiles anew)
             row.predicted_overhead = rk.schedule.predicted_time / rk.store_all_time - 1
             floor = time_lower_bound(rk.graph, rk.schedule.budget or budget)[0]
             row.note = f"proven floor {floor / rk.store_all_time - 1:+.1%}"
-            rows.append(row)
+            planned.append((row, rk))
+        checkpointed = Row(name, ratio, budget, "torch.utils.checkpoint per block")
+        if blocks_peak <= budget:
+            checkpointed.peak = blocks_peak
+            planned.append((checkpointed, blocks))
+        else:
+            checkpointed.note = f"peak {format_bytes(blocks_peak)}"
+        # Every method that fits this budget, and eager, timed in turn.
+        for (row, _), time_ratio in zip(planned, ratio_to_first([step(eager), *(step(m) for _, m in planned)],
+                                                                repeats)):
+            row.time_ratio = time_ratio
         fits = [c for c in compiled if c.peak <= budget]
         best = min(fits, key=lambda c: c.time_ratio) if fits else None
         if device == "cuda":
@@ -159,10 +176,7 @@ def bench_model(name: str, size: str, ratios: list[float], repeats: int, solvers
                             best.peak if best else None, best.time_ratio if best else None,
                             plan_time=best.plan_time if best else None,
                             note=best.method.split()[-1] if best else "no knob fits"))
-        rows.append(Row(name, ratio, budget, "torch.utils.checkpoint per block",
-                        checkpointed.peak if checkpointed.peak <= budget else None,
-                        checkpointed.time_ratio if checkpointed.peak <= budget else None,
-                        note="" if checkpointed.peak <= budget else f"peak {format_bytes(checkpointed.peak)}"))
+        rows.append(checkpointed)
     return rows
 
 
@@ -173,7 +187,8 @@ def markdown(rows: list[Row], device: str, args: argparse.Namespace) -> str:
         f"Measured {datetime.date.today().isoformat()} on {device}; torch {torch.__version__}, Python "
         f"{platform.python_version()}; `python benchmarks/bench.py --size {args.size}`. Budget = ratio of "
         "the no-rematerialization step peak predicted from the graph; peaks measured by rockplan's tracker "
-        "(CUDA allocator on CUDA) and include the loss; time = median step time / eager's, steps interleaved. "
+        "(CUDA allocator on CUDA) and include the loss; time = median step time / eager's, eager and the "
+        "methods that fit a budget running their steps in turn. "
         "The proven floor (rockplan rows) is `solvers.bounds.time_lower_bound` on the planned graph: no "
         "schedule within the budget has a smaller predicted overhead.",
         "",

@@ -41,7 +41,7 @@ BLOCK_GAP = 0.02  # relative MIP gap of a block solve: options need not be exact
 # graph that has a chain of blocks: on GPT-2 small (683 nodes) building it took 20 s and HiGHS
 # found nothing in 60 s, while the chain and the heuristics answered in 5 s.
 FLAT_ILP_MAX_NODES = 200
-FLAT_ILP_MIN_LOOK = 2.0  # seconds
+FLAT_ILP_MIN_LOOK = 3.0  # seconds
 
 
 def _dominated(option: BlockOption, others: list[BlockOption]) -> bool:
@@ -140,7 +140,11 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
         candidates += heuristic_candidates(graph, budget, time_limit=min(3.0, 0.8 * time_limit),
                                            good_enough=floor * (1 + gap), known=candidates)
         forward_blocks, _ = chain_blocks(graph)
-        if searching() and len(forward_blocks) > 1:
+        # The chain stage takes a while even when its MILPs get no time (segnet, 32 distinct
+        # blocks of a node or two: 0.3 s): skipped in the last fifth of the limit when
+        # something fits.
+        chain_time = not candidates or time.perf_counter() - start < 0.8 * time_limit
+        if searching() and len(forward_blocks) > 1 and chain_time:
             solves = 0
 
             def options(sub: RematGraph) -> list[BlockOption]:
@@ -159,7 +163,8 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
                           "options_per_block": [len(b.options) for b in chain.blocks]})
         remaining = time_limit - (time.perf_counter() - start)
         # A flat MILP's look shorter than FLAT_ILP_MIN_LOOK never improved a schedule found, and
-        # building the model takes seconds of its own (1.5 s on mobilenet, 185 nodes).
+        # takes longer than its limit (mobilenet, 185 nodes: 1 s to build, HiGHS's presolve
+        # runs 0.8 s past its limit).
         if (searching() and (len(forward_blocks) <= 1 or len(graph.nodes) <= FLAT_ILP_MAX_NODES)
                 and (not candidates or remaining > FLAT_ILP_MIN_LOOK)):
             remaining = max(1.0, remaining)

@@ -33,3 +33,19 @@ def test_example_trains_within_its_budget(script: str, args: list[str]) -> None:
     assert pairs, out
     for peak, budget in pairs:
         assert _bytes(peak) <= _bytes(budget) * 1.001, out  # printed with two decimals
+
+
+def test_bench_measures_every_method_that_fits_within_its_budget(tmp_path: Path) -> None:
+    """benchmarks/bench.py end to end on the tiny GPT at two budgets: every row that ran has a
+    measured peak within its budget and a time ratio to eager."""
+    out = tmp_path / "bench.md"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--models", "gpt", "--size", "tiny",
+                           "--ratios", "1.0,0.7", "--repeats", "1", "--solvers", "dtr,rotor", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| gpt")]
+    measured = [r for r in rows if r[2] != "eager (store all)" and r[3] != "-"]
+    assert len(measured) >= 4, out.read_text()
+    for r in measured:
+        assert float(r[4]) <= 1.0 and float(r[5]) > 0, r  # peak / budget, time vs eager
+    assert out.with_suffix(".png").exists()  # the Pareto plot
