@@ -42,6 +42,7 @@ BLOCK_GAP = 0.02  # relative MIP gap of a block solve: options need not be exact
 # found nothing in 60 s, while the chain and the heuristics answered in 5 s.
 FLAT_ILP_MAX_NODES = 200
 FLAT_ILP_MIN_LOOK = 3.0  # seconds
+CHAIN_MIN_TIME = 0.5  # seconds
 
 
 def _dominated(option: BlockOption, others: list[BlockOption]) -> bool:
@@ -141,9 +142,10 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
                                            good_enough=floor * (1 + gap), known=candidates)
         forward_blocks, _ = chain_blocks(graph)
         # The chain stage takes a while even when its MILPs get no time (segnet, 32 distinct
-        # blocks of a node or two: 0.3 s): skipped in the last fifth of the limit when
-        # something fits.
-        chain_time = not candidates or time.perf_counter() - start < 0.8 * time_limit
+        # blocks of a node or two: 0.3 s): when something fits, it needs CHAIN_MIN_TIME and a
+        # fifth of the limit left.
+        left = time_limit - (time.perf_counter() - start)
+        chain_time = not candidates or left > max(CHAIN_MIN_TIME, 0.2 * time_limit)
         if searching() and len(forward_blocks) > 1 and chain_time:
             solves = 0
 
