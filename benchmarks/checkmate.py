@@ -56,7 +56,7 @@ def row(graph: str, fraction: float, s: Schedule, total: float, reference_peak: 
     if s.extra.get("schedule_from", s.solver) != s.solver:
         status += f" (kept {s.extra['schedule_from']})"
     ref = ("", "") if ref_overhead is None else (f"{ref_overhead:.2%}", f"{ref_time:.1f} s")
-    return (f"| {graph} | {fraction:.2f} | {s.solver} | {overhead:.2%} | {bound / total - 1:.2%} "
+    return (f"| {graph} | {fraction:.2f} | {s.solver} | {overhead:.3%} | {bound / total - 1:.3%} "
             f"| {s.predicted_peak / reference_peak:.3f} | {s.solve_time:.1f} s | {gap} | {status} "
             f"| {ref[0]} | {ref[1]} |")
 

@@ -22,7 +22,7 @@ from solvers.schedule import Schedule
 from solvers.simulate import InfeasibleBudget
 
 DTR_HEURISTICS = ("dtr", "next_use", "size")
-SHAVING_SHARE = 2 / 3  # of the time left after DTR: peak shaving, then greedy checkpoints
+SHAVING_SHARE = 0.85  # of the time left after DTR: peak shaving (six starts), then greedy checkpoints
 GREEDY_SHARE = 0.1  # of the time limit, for greedy checkpoints when peak shaving wins
 
 
