@@ -205,9 +205,13 @@ class _DtrRun:
         reference goes). An output of a random node stays while an absent tensor still needed
         would have to be recomputed from it: it could not be brought back itself."""
         self.evicted = {d for d in self.evicted if self.needed_later(d)}
-        for d in list(self.resident):
-            if self.needed_later(d) or d in self.held or (d in self.forward_outputs and not self.backward_phase):
-                continue
+        dead = [d for d in self.resident if not (self.needed_later(d) or d in self.held
+                                                  or (d in self.forward_outputs and not self.backward_phase))]
+        # Random nodes' outputs last: whether one is still needed depends on which of the
+        # tensors between it and an evicted one go now (in set order, a random output was
+        # released while the tensor it alone could remake was still resident, then that
+        # tensor went too: DTR later recomputed the random node).
+        for d in sorted(dead, key=lambda d: self.producer(d).random):
             if self.producer(d).random and self.still_needed_from(d):
                 continue
             self.resident.remove(d)

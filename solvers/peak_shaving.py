@@ -142,24 +142,35 @@ class _Family:
 
     def still_needed(self, trial: _Trial, drop: Drop) -> bool:
         """True when undoing `drop` surely gives no faster schedule that fits, seen without a
-        build: the ops before stage r are the same without it, and d is then alive through
-        those where it was absent (from its free to stage r's first op), unless its producer
-        is recomputed at r all the same (for another output: the same schedule, no faster).
-        Most undo attempts end here (segnet: 2/3)."""
+        build. Without it, the computes before stage r are the same and d is alive where it
+        was absent, from its free to stage r's first op; what the recomputations at r read
+        may be freed sooner (bounded by their total size); and if d's producer is recomputed
+        at r all the same (for another output) the schedule is unchanged, no faster. Most
+        undo attempts end here (segnet: 2/3)."""
         d, r = drop
+        graph, ops = self.graph, trial.schedule.ops
         if trial.stage_starts is None:
             trial.stage_starts = {}
             stage = 0
-            for j, op in enumerate(trial.schedule.ops):
+            for j, op in enumerate(ops):
                 if op.kind == "compute":
                     trial.stage_starts.setdefault(stage, j)
-                    stage = max(stage, self.graph.index[op.name] + 1)
+                    stage = max(stage, graph.index[op.name] + 1)
         start = trial.stage_starts.get(r)
-        ops = trial.schedule.ops
         if start is None:
             return False
         free = next((k for k in range(start - 1, -1, -1) if ops[k].kind == "free" and ops[k].name == d), None)
-        return free is not None and max(trial.values[free:start]) + self.graph.data[d].size > self.budget
+        if free is None:
+            return False
+        read_by_recomputations: set[str] = set()
+        for op in ops[start:]:
+            if op.kind == "compute":
+                if graph.index[op.name] >= r:
+                    break  # stage r's own node
+                read_by_recomputations.update(graph.reads[op.name])
+        read_by_recomputations.discard(d)
+        slack = sum(graph.data[x].size for x in read_by_recomputations)
+        return max(trial.values[free:start]) + graph.data[d].size - slack > self.budget
 
     def candidates(self, schedule: Schedule, values: list[int], at: int, excluded: frozenset[Drop]) -> list[Drop]:
         """Drops that take a value alive at op `at` out of it: (d, the stage of its next read),

@@ -120,6 +120,23 @@ def test_random_nodes_are_never_recomputed() -> None:
     assert "f1" not in simulate(graph, s).recompute_counts
 
 
+@pytest.mark.parametrize(("seed", "fraction"), [(646, 0.1), (646, 0.3), (1370, 0.1), (1528, 0.0), (2161, 0.3)])
+def test_dtr_keeps_a_random_output_while_a_tensor_it_alone_remakes_is_needed(seed: int, fraction: float) -> None:
+    """DTR released dead tensors in set order: a random node's output went while the tensor
+    between it and an evicted one was resident, then that tensor went too, and DTR recomputed
+    the random node (InvalidSchedule from the simulator). Each of these cases failed under any
+    hash seed tried."""
+    graph = random_training_graph(seed, max_forward=10)
+    low, high = min_feasible_budget(graph), solve_store_all(graph).predicted_peak
+    budget = int(low + fraction * (high - low))
+    for heuristic in ("dtr", "next_use", "size"):
+        try:
+            s = solve_dtr(graph, budget, heuristic=heuristic)
+        except InfeasibleBudget:
+            continue
+        assert not any(graph.node(n).random for n in simulate(graph, s, budget).recompute_counts)
+
+
 def test_ilp_equals_brute_force_on_a_five_node_graph() -> None:
     graph = training_graph([6, 9, 4], [3.0, 1.0, 2.0], frozen=1, workspaces=[0, 5, 0])
     assert len(graph.nodes) == 5
