@@ -32,9 +32,10 @@ def heuristic_candidates(graph: RematGraph, budget: int, time_limit: float,
     found within about `time_limit` seconds. The last two run only while the best so far takes
     longer than `good_enough` (a proven floor plus the caller's gap).
 
-    Peak shaving starts from DTR's schedules and from `known` checkpointing schedules that fit
-    (the baselines): however slow a start, its drops may lead elsewhere. From checkpointing every block
-    (+33.3%) it reaches fcn8 at 0.62's floor, +2.91%, where from DTR's it stops at +3.04%."""
+    Peak shaving starts from DTR's schedules and from `known` checkpointing schedules that
+    fit (the baselines): however slow a start, its drops may lead elsewhere. From checkpointing
+    every block (+33.3%) it reaches fcn8 at 0.62's floor, +2.91%, where from DTR's it stops at
+    +3.04%."""
     deadline = time.perf_counter() + time_limit
     found = []
 

@@ -144,8 +144,8 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
         # The chain stage takes a while even when its MILPs get no time (segnet, 32 distinct
         # blocks of a node or two: 0.3 s): when something fits, it needs CHAIN_MIN_TIME and a
         # fifth of the limit left.
-        left = time_limit - (time.perf_counter() - start)
-        chain_time = not candidates or left > max(CHAIN_MIN_TIME, 0.2 * time_limit)
+        time_left = time_limit - (time.perf_counter() - start)
+        chain_time = not candidates or time_left > max(CHAIN_MIN_TIME, 0.2 * time_limit)
         if searching() and len(forward_blocks) > 1 and chain_time:
             solves = 0
 
