@@ -6,7 +6,8 @@
 For each model and each budget (a ratio of the no-rematerialization step peak predicted from
 the graph) every method trains the same steps: rockplan (and its solvers run through the same
 runtime: rotor, DTR, and "torch_budget": PyTorch's min-cut partitioner under
-`activation_memory_budget` on the same graph), `torch.utils.checkpoint` around every block,
+`activation_memory_budget` on the same graph; all plan on one measured profile of the model),
+`torch.utils.checkpoint` around every block,
 `torch.compile` (aot_eager) with `activation_memory_budget` (the knob whose measured peak fits
 the budget, fastest first; CUDA only: under the CPU tracker's dispatch mode dynamo runs the
 model eagerly), and plain eager (store everything). Peaks are measured by rockplan's tracker (the CUDA
@@ -120,6 +121,9 @@ def bench_model(name: str, size: str, ratios: list[float], repeats: int, solvers
     eager = copy.deepcopy(model)
     probe = Rockmate(copy.deepcopy(model), (args, kwargs), 1.0, solver="store_all")
     reference = probe.store_all_peak
+    # Every plan of this model on the probe's measured costs: a profile measured anew per row
+    # moved predictions by up to 10 points, so rows were not comparable.
+    times = probe.profile_times()
     rows = [Row(name, 1.0, reference, "eager (store all)", peak(eager), 1.0)]
     logging.info("%s: eager peak %s, predicted store-all %s", name, format_bytes(rows[0].peak), format_bytes(reference))
 
@@ -148,13 +152,12 @@ def bench_model(name: str, size: str, ratios: list[float], repeats: int, solvers
             rows.append(row)
             try:
                 start = time.perf_counter()
-                rk = Rockmate(copy.deepcopy(model), (args, kwargs), budget, solver=solver)
+                rk = Rockmate(copy.deepcopy(model), (args, kwargs), budget, solver=solver, profile=times)
                 row.plan_time = time.perf_counter() - start
             except (InfeasibleBudget, InvalidSchedule) as e:
                 row.note = str(e).splitlines()[0][:120]
                 continue
             row.peak = peak(rk)
-            # against the store-all time of the same profile (each plan profiles anew)
             row.predicted_overhead = rk.schedule.predicted_time / rk.store_all_time - 1
             floor = time_lower_bound(rk.graph, rk.schedule.budget or budget)[0]
             row.note = f"proven floor {floor / rk.store_all_time - 1:+.1%}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
@@ -21,9 +22,22 @@ __all__ = [
 
 def profile_graph(
     graph: RematGraph, joint: JointGraph, real_inputs: list[torch.Tensor] | None,
-    mode: Literal["measure", "estimate"] = "measure",
+    mode: Literal["measure", "estimate"] | Mapping[str, float] = "measure",
 ) -> None:
-    """Set node times: measured on `real_inputs` (primals) when possible, else estimated."""
+    """Set node times: measured on `real_inputs` (primals) when possible, else estimated; or,
+    when `mode` maps node names to seconds (another plan's graph of the same model and
+    sample), taken from it, so that plans compared are planned on the same costs."""
+    if isinstance(mode, Mapping):
+        names = [node.name for node in graph.nodes]
+        missing, extra = [n for n in names if n not in mode], sorted(set(mode) - set(names))
+        if missing or extra:
+            raise ValueError(f"the given profile is for another graph (another model or input shape): it has no "
+                             f"time for {len(missing)} of this graph's {len(names)} nodes"
+                             f"{f' (first: {missing[0]!r})' if missing else ''} and {len(extra)} nodes this graph "
+                             f"lacks{f' (first: {extra[0]!r})' if extra else ''}")
+        for node in graph.nodes:
+            node.time = float(mode[node.name])
+        return
     device = next((t.device.type for t in real_inputs or []), "cpu")
     if mode == "measure" and real_inputs is not None:
         try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -76,6 +76,10 @@ class Rockmate(nn.Module):
     bytes, a size string ("1.5GiB") or a ratio of the step memory without rematerialization.
     `schedule` is a plan file written by `export`: it is checked against the captured graph
     and used instead of solving (still replayed by the simulator against the budget).
+    `profile`: node times "measure"d on the sample's device, "estimate"d from FLOPs and bytes,
+    or a mapping from node name to seconds, such as another plan's `profile_times()`: the
+    same model and sample then plan on the same costs (measured profiles vary from run to
+    run on a busy machine; a comparison of budgets or solvers should not).
     """
 
     def __init__(
@@ -85,7 +89,7 @@ class Rockmate(nn.Module):
         budget: int | float | str = 1.0,
         *,
         solver: str = "rockmate",
-        profile: Literal["measure", "estimate"] = "measure",
+        profile: Literal["measure", "estimate"] | Mapping[str, float] = "measure",
         backend: Literal["eager", "inductor"] = "eager",
         on_new_input: Literal["replan", "error"] = "replan",
         solver_options: dict | None = None,
@@ -131,6 +135,11 @@ class Rockmate(nn.Module):
     @property
     def store_all_time(self) -> float:
         return self._current.store_all.predicted_time
+
+    def profile_times(self) -> dict[str, float]:
+        """The planned graph's node times in seconds, by node name: `profile=` for another
+        plan of the same model and sample on the same costs."""
+        return {node.name: node.time for node in self.graph.nodes}
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         return self.model.state_dict(*args, **kwargs)

@@ -317,3 +317,18 @@ def test_cuda_plan_matches_eager_within_the_allocator_budget(name: str) -> None:
     measured, predicted = planned.peak, rk.schedule.predicted_peak
     assert measured <= rk.budget, f"measured {measured} B over budget {rk.budget} B"
     assert abs(measured - predicted) <= 0.10 * measured, f"predicted {predicted} B, measured {measured} B"
+
+
+def test_a_plan_reuses_another_plans_profile() -> None:
+    """`profile=` another plan's times: the graph gets exactly those costs (plans compared on
+    one profile); times measured on another model are refused, naming a missing node."""
+    model, args, kwargs, _loss = zoo.make("gpt", "tiny")
+    first = Rockmate(copy.deepcopy(model), (args, kwargs), 1.0, solver="store_all")
+    times = first.profile_times()
+    assert times and all(t > 0 for t in times.values())
+    second = Rockmate(copy.deepcopy(model), (args, kwargs), 0.5, solver="dtr", profile=times)
+    assert second.profile_times() == times
+    for name in ("mlp", "resnet"):  # the MLP's node names are all among the GPT's
+        other, other_args, other_kwargs, _ = zoo.make(name, "tiny")
+        with pytest.raises(ValueError, match="profile is for another graph"):
+            Rockmate(other, (other_args, other_kwargs), 1.0, solver="store_all", profile=times)
