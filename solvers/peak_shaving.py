@@ -22,7 +22,7 @@ floor, +2.908% (the MILP's optimum there replays as 33 drops, 4 of them at forwa
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,7 +30,7 @@ import numpy as np
 from rkgraph.graph import RematGraph
 from solvers.bounds import format_bytes
 from solvers.dtr import solve_dtr
-from solvers.schedule import Schedule
+from solvers.schedule import Op, Schedule
 from solvers.simulate import InfeasibleBudget, free_at_last_use, simulate
 
 NAME = "peak_shaving"
@@ -41,6 +41,16 @@ NAME = "peak_shaving"
 # graphs but one (mobilenet at 0.50: +2.13% against +1.99%), 2-6 times sooner.
 SHORTLIST = 4
 Drop = tuple[str, int]  # (data node, index of the node whose stage discards it)
+
+
+def _staged_computes(graph: RematGraph, ops: Sequence[Op]) -> Iterator[tuple[int, str, int]]:
+    """(position, node, stage) of each compute op: node r runs in stage r, and a recomputation
+    in the stage of the next node in graph order, the one it is made for."""
+    stage = 0
+    for j, op in enumerate(ops):
+        if op.kind == "compute":
+            yield j, op.name, stage
+            stage = max(stage, graph.index[op.name] + 1)
 
 
 @dataclass
@@ -151,11 +161,8 @@ class _Family:
         graph, ops = self.graph, trial.schedule.ops
         if trial.stage_starts is None:
             trial.stage_starts = {}
-            stage = 0
-            for j, op in enumerate(ops):
-                if op.kind == "compute":
-                    trial.stage_starts.setdefault(stage, j)
-                    stage = max(stage, graph.index[op.name] + 1)
+            for j, _, stage in _staged_computes(graph, ops):
+                trial.stage_starts.setdefault(stage, j)
         start = trial.stage_starts.get(r)
         if start is None:
             return False
@@ -187,21 +194,16 @@ class _Family:
         op = schedule.ops[at]
         reading = set(graph.node(op.name).inputs) if op.kind == "compute" else set()
         wanted = (alive - reading) & self.droppable
-        stage = 0  # the node whose stage op j belongs to
         found: list[Drop] = []
         read_at: dict[Drop, int] = {}
-        for j, later in enumerate(schedule.ops):
-            if later.kind != "compute":
-                continue
-            node = graph.node(later.name)
+        for j, name, stage in _staged_computes(graph, schedule.ops):
             if j > at:
+                node = graph.node(name)
                 for d in wanted.intersection(node.inputs):
                     found.append((d, stage))
                     read_at[d, stage] = j
                 wanted -= set(node.inputs)
                 wanted -= set(node.outputs)  # remade before any read: not this value's read
-            if graph.index[later.name] >= stage:
-                stage = graph.index[later.name] + 1
         found = [c for c in found if c not in excluded]
         if len(found) <= SHORTLIST:
             return found
@@ -309,22 +311,17 @@ def _dearest_first(family: _Family, trial: _Trial) -> list[Drop]:
 
 
 def _drops_of(family: _Family, schedule: Schedule) -> frozenset[Drop]:
-    """The drops under which the family replays `schedule`'s backward recomputations: each
-    output of a node recomputed in stage r, discarded as r starts. Exact when `schedule` runs
-    the forward once (DTR's schedules, usually); otherwise a start that the repair completes."""
+    """The drops under which the family replays `schedule`'s recomputations: each output of a
+    node recomputed in stage r, discarded as r starts. Exact when `schedule` runs each node in
+    graph order with recomputations before the node they serve (DTR's schedules, usually);
+    otherwise a start that the repair completes."""
     graph = family.graph
     drops: set[Drop] = set()
     computed: set[str] = set()
-    stage = 0
-    for op in schedule.ops:
-        if op.kind != "compute":
-            continue
-        index = graph.index[op.name]
-        if op.name in computed and index < stage:
-            drops.update((d, stage) for d in graph.node(op.name).outputs if d in family.droppable)
-        computed.add(op.name)
-        if index >= stage:
-            stage = index + 1
+    for _, name, stage in _staged_computes(graph, schedule.ops):
+        if name in computed and graph.index[name] < stage:
+            drops.update((d, stage) for d in graph.node(name).outputs if d in family.droppable)
+        computed.add(name)
     return frozenset(drops)
 
 
