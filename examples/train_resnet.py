@@ -6,8 +6,8 @@
 The model is planned once on a sample batch; the training loop is unchanged: the loss is
 computed outside the planned module (a cross-entropy over 100 classes is tiny next to the
 activations), the optimizer gets `rk.parameters()`, the same Parameter objects as the model's.
-Each step's peak is measured (CPU: rockplan's tracker; CUDA: the allocator) and printed against
-the budget, beside plain PyTorch's.
+Each step's peak is measured by the allocator (CPU: its events, recorded by torch.profiler;
+CUDA: its statistics) and printed against the budget, beside plain PyTorch's.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -12,11 +13,14 @@ from rkgraph.build import build_graph
 from rkgraph.capture import CaptureError, JointGraph, capture_joint
 from rkgraph.graph import ComputeNode, DataNode, RematGraph
 from rkgraph.partition import partition
-from rkgraph.profile import estimate_times, measure_times, random_tangents
+from rkgraph.profile import AllocatorEvents, estimate_times, measure_scratch, measure_times, random_tangents
+
+log = logging.getLogger(__name__)
 
 __all__ = [
-    "CaptureError", "ComputeNode", "DataNode", "JointGraph", "RematGraph", "build_graph",
-    "capture", "capture_joint", "estimate_times", "measure_times", "partition", "profile_graph", "random_tangents",
+    "AllocatorEvents", "CaptureError", "ComputeNode", "DataNode", "JointGraph", "RematGraph", "build_graph",
+    "capture", "capture_joint", "estimate_times", "measure_scratch", "measure_times", "partition", "profile_graph",
+    "random_tangents",
 ]
 
 
@@ -24,9 +28,13 @@ def profile_graph(
     graph: RematGraph, joint: JointGraph, real_inputs: list[torch.Tensor] | None,
     mode: Literal["measure", "estimate"] | Mapping[str, float] = "measure",
 ) -> None:
-    """Set node times: measured on `real_inputs` (primals) when possible, else estimated; or,
-    when `mode` maps node names to seconds (another plan's graph of the same model and
-    sample), taken from it, so that plans compared are planned on the same costs."""
+    """Set node costs. Times: measured on `real_inputs` (primals) when possible, else
+    estimated; or, when `mode` maps node names to seconds (another plan's graph of the same
+    model and sample), taken from it, so that plans compared are planned on the same costs.
+    Kernels' scratch memory is added to node workspaces whenever real inputs are given and
+    `mode` is not "estimate" (it cannot be estimated; it is measured again with a mapping)."""
+    device = next((t.device.type for t in real_inputs or []), "cpu")
+    measured = False
     if isinstance(mode, Mapping):
         names = [node.name for node in graph.nodes]
         missing, extra = [n for n in names if n not in mode], sorted(set(mode) - set(names))
@@ -37,18 +45,24 @@ def profile_graph(
                              f"lacks{f' (first: {extra[0]!r})' if extra else ''}")
         for node in graph.nodes:
             node.time = float(mode[node.name])
-        return
-    device = next((t.device.type for t in real_inputs or []), "cpu")
-    if mode == "measure" and real_inputs is not None:
+    elif mode == "measure" and real_inputs is not None:
         try:
             # The runtime plans inside AOTAutograd's trace, under its fake mode: tangents drawn
             # there, and kernels run there, would be fake (times of dispatch, not of compute).
             with unset_fake_temporarily():
                 measure_times(graph, joint.module, [*real_inputs, *random_tangents(joint.module, device)])
-            return
+            measured = True
         except torch.OutOfMemoryError:
             pass  # the store-everything replay does not fit: fall back to the estimate
-    estimate_times(graph, joint.module, device)
+    if not measured and not isinstance(mode, Mapping):
+        estimate_times(graph, joint.module, device)
+    if mode != "estimate" and real_inputs is not None:
+        try:
+            with unset_fake_temporarily():
+                measure_scratch(graph, joint.module, [*real_inputs, *random_tangents(joint.module, device)],
+                                warm_up=not measured)
+        except torch.OutOfMemoryError:
+            log.warning("kernels' scratch memory not measured: the store-everything replay does not fit")
 
 
 def capture(

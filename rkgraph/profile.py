@@ -1,22 +1,28 @@
-"""Per-node time: measured on real tensors, or estimated from FLOPs and bytes moved.
+"""Per-node costs: time measured on real tensors, or estimated from FLOPs and bytes moved;
+and the scratch memory kernels allocate inside an op, measured from the allocator's events.
 
-Measuring replays the joint graph once in its own order (what autograd would keep alive), so
-it needs the store-everything memory; when that fails, or when asked, the estimate is used.
+Measuring replays the joint graph in its own order (what autograd would keep alive), so it
+needs the store-everything memory; when that fails, or when asked, the estimate is used.
 The estimate is a roofline: max(flops / peak_flops, bytes / bandwidth), with rough device
-figures; solvers only compare times relative to each other.
+figures; solvers only compare times relative to each other. Scratch cannot be estimated: a
+convolution's im2col buffer or a reduction's partial sums are the kernel's business, seen only
+by the allocator (on CPU, ResNet's scratch is a fifth of its eager step peak).
 """
 
 from __future__ import annotations
 
 import logging
 import operator
+import os
 import statistics
 import time
 from collections.abc import Sequence
 
 import torch
 from torch import fx
+from torch._C._profiler import _EventType
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils.flop_counter import flop_registry
 
 from rkgraph.graph import RematGraph
@@ -57,6 +63,58 @@ def estimate_times(graph: RematGraph, joint: fx.GraphModule, device: str = "cpu"
     for node in graph.nodes:
         members = [fx_nodes[n] for n in node.fx_nodes if fx_nodes[n].target is not operator.getitem]
         node.time = sum(max(node_flops(n) / flops_per_s, _bytes_moved(n) / bytes_per_s) for n in members)
+
+
+class AllocatorEvents:
+    """A device allocator's allocations and frees inside a ``with`` block, as torch.profiler
+    records them (``profile_memory=True``): every block, kernels' scratch buffers and compiled
+    code's allocations included, without changing how the code runs (a dispatch mode would make
+    ``torch.compile`` fall back to eager). Ranges opened with ``record_function`` inside the
+    block are kept by name, so a part of the block can be replayed on its own."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.events: list[tuple[int, bool, int, int]] = []  # (time ns, is allocation, address, bytes)
+        self.ranges: dict[str, tuple[int, int]] = {}  # record_function name -> (start, end) ns
+        # Kineto prints two lines to stdout per profile at its default level; read when the
+        # profiler is first used, and a level the user set is kept.
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+
+    def __enter__(self) -> AllocatorEvents:
+        self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._profile.__exit__(*exc_info)
+        stack = list(self._profile.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children)
+            if node.tag == _EventType.Allocation:
+                fields = node.extra_fields
+                if fields.device.type == self.device.type and self.device.index in (None, fields.device.index):
+                    self.events.append((node.start_time_ns, fields.alloc_size > 0, fields.ptr, fields.alloc_size))
+            elif node.tag == _EventType.TorchOp:
+                self.ranges[node.name] = (node.start_time_ns, node.end_time_ns)
+        # At one instant frees come first, so an address freed and reused at once counts once.
+        self.events.sort()
+
+    def replay(self, start: int = 0, end: int | None = None) -> tuple[int, int]:
+        """(peak, current) in bytes of the blocks allocated between `start` and `end` (ns): a free
+        of a block allocated before `start` is not counted, as the step's own memory is measured."""
+        alive: dict[int, int] = {}
+        current = peak = 0
+        for when, _, address, size in self.events:
+            if when < start or (end is not None and when > end):
+                continue
+            if size > 0:
+                alive[address] = size
+                current += size
+                peak = max(peak, current)
+            elif address in alive:
+                current -= alive.pop(address)
+        return peak, current
 
 
 def random_tangents(joint: fx.GraphModule, device: str | torch.device = "cpu") -> list[torch.Tensor]:
@@ -119,3 +177,47 @@ def measure_times(
             torch.cuda.set_rng_state_all(cuda_rng)
     for node in graph.nodes:
         node.time = times[node.name]
+
+
+def measure_scratch(
+    graph: RematGraph, joint: fx.GraphModule, inputs: Sequence[torch.Tensor], warm_up: bool = True
+) -> None:
+    """Add to each compute node's `workspace` the scratch its kernels allocate and free inside
+    one op (the largest among the node's ops), read from the allocator's events of one replay.
+
+    `inputs` as for `measure_times`; the global RNG state is restored afterwards. `warm_up`
+    replays once before recording, so one-time allocations (caches) are not taken for scratch;
+    not needed right after `measure_times`, which ran every op several times.
+    """
+    device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    group_of = {fx_name: node for node in graph.nodes for fx_name in node.fx_nodes}
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n: fx.Node):
+            if n.op != "call_function" or n.name not in group_of or n.target is operator.getitem:
+                return super().run_node(n)
+            with record_function(f"rkgraph::{n.name}"):
+                return super().run_node(n)
+
+    try:
+        if any(isinstance(t, FakeTensor) for t in inputs):
+            raise ValueError("measure_scratch needs real tensors, got fake ones")
+        with torch.no_grad(), unset_fake_temporarily():
+            if warm_up:
+                Recorder(joint).run(*inputs)
+            with AllocatorEvents(device) as recorded:
+                Recorder(joint).run(*inputs)
+    finally:
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+    scratch = dict.fromkeys((node.name for node in graph.nodes), 0)
+    for fx_name, node in group_of.items():
+        span = recorded.ranges.get(f"rkgraph::{fx_name}")
+        if span is not None:
+            peak, current = recorded.replay(*span)
+            scratch[node.name] = max(scratch[node.name], peak - max(current, 0))
+    for node in graph.nodes:
+        node.workspace += scratch[node.name]

@@ -10,6 +10,8 @@ schedule frees. Views are never scheduled: they are re-derived from their base w
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -28,11 +30,12 @@ class CodegenError(RuntimeError):
 
 
 class _Emitter:
-    def __init__(self, joint: fx.GraphModule, graph: RematGraph) -> None:
+    def __init__(self, joint: fx.GraphModule, graph: RematGraph, record: Collection[str] = ()) -> None:
         self.fx_nodes = {n.name: n for n in joint.graph.nodes}
         self.remat = graph
         self.graph = fx.Graph()
         self.env: dict[str, fx.Node] = {}
+        self.record = record  # random fx nodes that run again later: their first run records the state
         self.rng_states: dict[str, fx.Node] = {}  # random fx node -> its recorded generator state
 
     def placeholder(self, name: str) -> None:
@@ -64,6 +67,8 @@ class _Emitter:
         val = original.meta["val"]
         device = (val[0] if isinstance(val, (tuple, list)) else val).device
         state = self.rng_states.get(original.name)
+        if state is None and original.name not in self.record:
+            return self.graph.node_copy(original, self.value)
         if state is None:
             state = self.graph.call_function(rng_state, (device,))
             # AOTAutograd reads the metadata of every saved value.
@@ -119,6 +124,25 @@ def _random_ops_in(graph: RematGraph, ops: list[Any], fx_nodes: dict[str, fx.Nod
     return list(found)
 
 
+def _rerun_random_ops(graph: RematGraph, ops: list[Any], fx_nodes: dict[str, fx.Node]) -> list[str]:
+    """Random fx nodes that `ops` run more than once (their first run records the state)."""
+    runs = Counter(op.name for op in ops if op.kind == "compute" and graph.node(op.name).rng)
+    return [n for name, count in runs.items() if count > 1 for n in graph.node(name).fx_nodes if is_random(fx_nodes[n])]
+
+
+def rng_state_bytes(joint: JointGraph, graph: RematGraph, schedule: Any) -> int:
+    """Bytes of generator states the generated code holds, which the graph does not count:
+    one per random op that runs again (recorded at its first run, held to its last replay), and
+    the state a replay saves to put the user's stream back. An upper bound: all at once."""
+    fx_nodes = {n.name: n for n in joint.module.graph.nodes}
+    recorded = _rerun_random_ops(graph, schedule.ops, fx_nodes)
+    if not recorded:
+        return 0
+    val = fx_nodes[recorded[0]].meta["val"]
+    device = (val[0] if isinstance(val, (tuple, list)) else val).device
+    return (len(recorded) + 1) * rng_state(device).nbytes
+
+
 def generate(joint: JointGraph, graph: RematGraph, schedule: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
     gm = joint.module
     placeholders = gm.graph.find_nodes(op="placeholder")
@@ -129,7 +153,8 @@ def generate(joint: JointGraph, graph: RematGraph, schedule: Any) -> tuple[fx.Gr
     constants = {n.name for n in gm.graph.find_nodes(op="get_attr")}
     saved = [d for d in saved_for_backward(graph, backward_ops) if d not in constants]
 
-    fw = _Emitter(gm, graph)
+    fx_nodes = {n.name: n for n in gm.graph.nodes}
+    fw = _Emitter(gm, graph, record=set(_rerun_random_ops(graph, schedule.ops, fx_nodes)))
     for p in placeholders:
         if not p.name.startswith("tangents"):
             fw.placeholder(p.name)

@@ -25,7 +25,7 @@ from rkgraph import build_graph, partition, profile_graph
 from rkgraph.capture import FlatCall, flat_tensors, flatten_call, joint_graph, trace, training_function
 from rkgraph.graph import RematGraph
 from rockplan.budget import format_bytes, parse_budget
-from rockplan.codegen import generate, saved_for_backward
+from rockplan.codegen import generate, rng_state_bytes, saved_for_backward
 from rockplan.decisions import decide
 from rockplan.explain import explain
 from rockplan.plan_file import export_plan, load_plan
@@ -44,7 +44,7 @@ class Plan:
     schedule: Schedule
     budget: int
     store_all: Schedule  # what autograd alone would do: the reference for ratios and overheads
-    reserved: int  # bytes of mutated buffers copied for the backward (not in the graph)
+    reserved: int  # bytes the generated code holds beyond the graph (buffer copies, RNG states)
     compiled: Any
     flat: FlatCall
     plan_time: float
@@ -165,17 +165,18 @@ class Rockmate(nn.Module):
             budget = parse_budget(self.budget_spec, store_all.predicted_peak)
             log.info("planning %s: %d nodes, budget %s (store-all peak %s)", graph.name, len(graph.nodes),
                      format_bytes(budget), format_bytes(store_all.predicted_peak))
-            # A backward that recomputes from a buffer the step mutates gets a copy of it (see
-            # codegen); the graph does not count those copies, so when they would not fit,
-            # their bytes are held back from the solver's budget and it plans again.
+            # A backward that recomputes from a buffer the step mutates gets a copy of it, and a
+            # random op that runs again its recorded generator state (see codegen); the graph
+            # counts neither, so when they would not fit, their bytes are held back from the
+            # solver's budget and it plans again.
             if self.plan_file is not None:
                 schedule = load_plan(self.plan_file, graph)
             else:
                 schedule = RUNTIME_SOLVERS[self.solver](graph, budget, **self.solver_options)
-            reserved = _copied_buffer_bytes(joint, graph, schedule)
+            reserved = _reserved_bytes(joint, graph, schedule)
             if reserved and schedule.predicted_peak + reserved > budget and self.plan_file is None:
                 schedule = RUNTIME_SOLVERS[self.solver](graph, budget - reserved, **self.solver_options)
-                reserved = _copied_buffer_bytes(joint, graph, schedule)
+                reserved = _reserved_bytes(joint, graph, schedule)
             simulate(graph, schedule, budget - reserved)  # the referee: never run an unchecked plan
             if log.isEnabledFor(logging.INFO):  # the floor is computed only to be shown
                 floor = time_lower_bound(graph, budget - reserved)[0]
@@ -316,8 +317,11 @@ def _inductor(planned: dict[str, Any]) -> Callable[[fx.GraphModule, Any], Any]:
     return compile
 
 
-def _copied_buffer_bytes(joint: Any, graph: RematGraph, schedule: Schedule) -> int:
-    return sum(graph.data[d].size for d in saved_for_backward(graph, schedule.backward_ops) if d in joint.mutated)
+def _reserved_bytes(joint: Any, graph: RematGraph, schedule: Schedule) -> int:
+    """What the generated code holds beyond the graph: copies of mutated buffers a backward
+    recomputation reads, and recorded generator states of random ops that run again."""
+    copies = sum(graph.data[d].size for d in saved_for_backward(graph, schedule.backward_ops) if d in joint.mutated)
+    return copies + rng_state_bytes(joint, graph, schedule)
 
 
 def _describe_difference(planned: tuple, got: tuple) -> str:
