@@ -75,7 +75,7 @@ class AllocatorEvents:
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self.events: list[tuple[int, bool, int, int]] = []  # (time ns, is allocation, address, bytes)
-        self.ranges: dict[str, tuple[int, int]] = {}  # record_function name -> (start, end) ns
+        self.ranges: dict[str, tuple[int, int]] = {}  # op or record_function name -> its last (start, end) ns
         # Kineto prints two lines to stdout per profile at its default level; read when the
         # profiler is first used, and a level the user set is kept.
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")

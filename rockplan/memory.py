@@ -13,8 +13,8 @@ API
         loss.backward()
     tracker.peak, tracker.current     # peak of the step, bytes it created still alive at exit
 
-``measure_step(fn, *args, device=None, method="auto", **kwargs) -> StepMemory`` runs ``fn(*args, **kwargs)``
-under a tracker and returns ``StepMemory(peak, end, result)``; ``end`` includes whatever the
+``measure_step(fn, *args, device=None, method="auto", **kwargs) -> StepMemory`` runs
+``fn(*args, **kwargs)`` under a tracker and returns ``StepMemory(peak, end, result)``; ``end`` includes whatever the
 returned ``result`` keeps alive.
 
 Three ways of counting, chosen by ``method``:
@@ -30,14 +30,14 @@ Three ways of counting, chosen by ``method``:
   Inductor's generated code included, and it does not change how the code runs (under a
   dispatch mode ``torch.compile`` falls back to eager). Figures exist only once the block has
   exited; a free of memory allocated before the block is not counted. Exact requested bytes.
-- ``"storages"`` (default elsewhere; live figures): a ``TorchDispatchMode`` that sees every ATen op, registers
-  each storage an op returns once (views share their base's storage so they add nothing) and
-  subtracts it when a weak reference on the storage reports its death. It sees ops inside
-  autograd's backward (the engine propagates dispatch modes to the threads it runs on), inside
-  ``torch.autograd.Function`` and fx GraphModules. It does not see buffers a kernel allocates
-  and frees internally, nor code that allocates without going through the dispatcher (Inductor's
-  generated code), so it is a lower bound there. The counted bytes are exact ``nbytes`` with no
-  allocator rounding.
+- ``"storages"`` (default elsewhere; live figures): a ``TorchDispatchMode`` that sees every ATen
+  op, registers each storage an op returns once (views share their base's storage so they add
+  nothing) and subtracts it when a weak reference on the storage reports its death. It sees
+  ops inside autograd's backward (the engine propagates dispatch modes to the threads it runs
+  on), inside ``torch.autograd.Function`` and fx GraphModules. It does not see buffers a kernel
+  allocates and frees internally, nor code that allocates without going through the
+  dispatcher (Inductor's generated code), so it is a lower bound there. The counted bytes are
+  exact ``nbytes`` with no allocator rounding.
 """
 
 from __future__ import annotations
