@@ -11,7 +11,8 @@ Measured on CPU (torch 2.13), "tiny" sizes; eager / predicted:
     mlp 1.000   resnet 0.999   gpt 1.137   unet 0.998   multi_output 0.980   hf_gpt2 1.134
 
 - resnet, unet: convolutions' scratch (im2col-style buffers the kernel frees inside the op) is a
-  fifth of the eager peak; without it in the graph the ratio was 1.29 (resnet) and 1.19 (unet).
+  fifth of the eager peak at these sizes; without it in the graph the ratio was 1.29 (resnet)
+  and 1.19 (unet).
 - gpt, hf_gpt2: eager CPU dropout (`_dropout_impl`) keeps a float32 mask; the joint graph's
   `native_dropout` (what CUDA eager runs too, and what rockplan runs) keeps a bool mask, a
   quarter of the size. hf_gpt2 keeps 3% more beyond that (1.057 with dropout off): in the
