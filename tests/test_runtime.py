@@ -65,6 +65,27 @@ def test_same_gradients_and_budget_honoured(name: str, budget: float | str) -> N
     assert abs(measured - predicted) <= 0.10 * measured, f"predicted {predicted} B, measured {measured} B"
 
 
+@pytest.mark.parametrize(("budget", "solver"), [(1.0, "store_all"), (0.6, "dtr")])
+@pytest.mark.parametrize("name", MODELS)
+def test_allocator_peak_is_the_prediction_to_the_byte(name: str, budget: float, solver: str) -> None:
+    """The CPU allocator's peak of a planned step is the simulator's prediction (measured: equal
+    to the byte at 1.0), plus at most what the runtime holds beyond the graph (`reserved`:
+    buffer copies, recorded RNG states, counted all at once there). Kernels' scratch is in the
+    graph, measured when profiling; it varies a little between runs (ResNet at 0.6: 320 bytes
+    under the prediction once, 448 over it with 576 reserved another time)."""
+    model, args, kwargs, _loss = zoo.make(name, "tiny")
+    try:
+        rk = Rockmate(model, (args, kwargs), budget, solver=solver)
+    except InfeasibleBudget:
+        pytest.skip(f"{budget} is below the feasible minimum for {name}")
+    _step(rk, args, kwargs)  # warm-up: lazy allocations are not the step's memory
+    rk.zero_grad(set_to_none=True)
+    measured = measure_step(_step, rk, args, kwargs, method="profiler").peak
+    predicted = rk.schedule.predicted_peak
+    assert 0.99 * predicted <= measured <= predicted + rk.reserved, (measured, predicted, rk.reserved)
+    assert measured <= rk.budget
+
+
 @pytest.mark.parametrize("solver", ["dtr", "peak_shaving"])
 @pytest.mark.parametrize("name", ["gpt", "resnet"])
 def test_heuristic_plans_run_bitwise_like_store_all(name: str, solver: str) -> None:
