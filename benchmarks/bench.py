@@ -1,6 +1,6 @@
 """Side-by-side benchmark: rockplan against PyTorch's own options, measured in one process.
 
-    python benchmarks/bench.py                       # zoo models at size "default", CPU
+    python benchmarks/bench.py                       # zoo models (and HF GPT-2) at size "default"
     python benchmarks/bench.py --models gpt --ratios 1.0,0.5 --repeats 3
 
 For each model and each budget (a ratio of the no-rematerialization step peak predicted from
@@ -198,7 +198,8 @@ def markdown(rows: list[Row], device: str, args: argparse.Namespace) -> str:
         "## Models: measured step peak and step time",
         "",
         f"Measured {datetime.date.today().isoformat()} on {device}; torch {torch.__version__}, Python "
-        f"{platform.python_version()}; `python benchmarks/bench.py --size {args.size}`. Budget = ratio of "
+        f"{platform.python_version()}; `python benchmarks/bench.py --models {args.models} --size {args.size} "
+        f"--ratios {args.ratios} --repeats {args.repeats}`. Budget = ratio of "
         "the no-rematerialization step peak predicted from the graph (kernels' scratch included); peaks "
         "measured by rockplan's tracker (the allocator: CUDA's statistics, or the CPU allocator's events "
         "recorded by torch.profiler) and include the loss; time = median step time / eager's, eager and the "
@@ -252,7 +253,9 @@ def pareto_plot(rows: list[Row], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="mlp,resnet,gpt,unet")
+    # Hugging Face GPT-2 (random weights, built from a config) when transformers is installed.
+    models = ["mlp", "resnet", "gpt", "unet", *(["hf_gpt2"] if "hf_gpt2" in zoo.ZOO else [])]
+    parser.add_argument("--models", default=",".join(models))
     parser.add_argument("--size", default="default", choices=["tiny", "default"])
     parser.add_argument("--ratios", default="1.0,0.7,0.5,0.35,0.25")
     parser.add_argument("--solvers", default="", help="comma list; default: rockmate (or ilp), rotor, dtr")
