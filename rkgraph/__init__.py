@@ -45,24 +45,21 @@ def profile_graph(
                              f"lacks{f' (first: {extra[0]!r})' if extra else ''}")
         for node in graph.nodes:
             node.time = float(mode[node.name])
-    elif mode == "measure" and real_inputs is not None:
-        try:
-            # The runtime plans inside AOTAutograd's trace, under its fake mode: tangents drawn
-            # there, and kernels run there, would be fake (times of dispatch, not of compute).
-            with unset_fake_temporarily():
-                measure_times(graph, joint.module, [*real_inputs, *random_tangents(joint.module, device)])
-            measured = True
-        except torch.OutOfMemoryError:
-            pass  # the store-everything replay does not fit: fall back to the estimate
+    if mode != "estimate" and real_inputs is not None:
+        # The runtime plans inside AOTAutograd's trace, under its fake mode: tangents drawn
+        # there, and kernels run there, would be fake (times of dispatch, not of compute).
+        with unset_fake_temporarily():
+            inputs = [*real_inputs, *random_tangents(joint.module, device)]
+            try:
+                if mode == "measure":
+                    measure_times(graph, joint.module, inputs)
+                    measured = True
+                measure_scratch(graph, joint.module, inputs, warm_up=not measured)
+            except torch.OutOfMemoryError:  # the store-everything replays do not fit
+                log.warning("kernels' scratch not measured%s: the store-everything replay does not fit",
+                            "" if measured or isinstance(mode, Mapping) else ", times estimated")
     if not measured and not isinstance(mode, Mapping):
         estimate_times(graph, joint.module, device)
-    if mode != "estimate" and real_inputs is not None:
-        try:
-            with unset_fake_temporarily():
-                measure_scratch(graph, joint.module, [*real_inputs, *random_tangents(joint.module, device)],
-                                warm_up=not measured)
-        except torch.OutOfMemoryError:
-            log.warning("kernels' scratch memory not measured: the store-everything replay does not fit")
 
 
 def capture(
