@@ -135,6 +135,10 @@ def random_tangents(joint: fx.GraphModule, device: str | torch.device = "cpu") -
     return out
 
 
+def _device_of(inputs: Sequence[torch.Tensor]) -> torch.device:
+    return next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+
+
 def _replays(
     graph: RematGraph, joint: fx.GraphModule, inputs: Sequence[torch.Tensor], runs: int,
     around: Callable[[fx.Node], AbstractContextManager[object]],
@@ -180,7 +184,7 @@ def measure_times(
     than timed in place, warm. (A DTR plan at 0.35 on 4 profiles each: +28.8% to +32.5% timed
     in order, +28.3% to +30.4% in place; the machine's noise is of the same size.)
     """
-    device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    device = _device_of(inputs)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     samples: dict[str, list[float]] = {}
     timing = False
@@ -210,7 +214,7 @@ def measure_scratch(
     `inputs` as for `measure_times`. `warm_up` replays once before recording, so one-time
     allocations (caches) are not taken for scratch; not needed right after `measure_times`.
     """
-    device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    device = _device_of(inputs)
 
     def labelled(n: fx.Node) -> AbstractContextManager[object]:
         return record_function(f"rkgraph::{n.name}")

@@ -29,6 +29,12 @@ class CodegenError(RuntimeError):
     pass
 
 
+def _first_output(node: fx.Node) -> Any:
+    """The (fake) tensor a random op returns, or the first of those it returns."""
+    val = node.meta["val"]
+    return val[0] if isinstance(val, (tuple, list)) else val
+
+
 class _Emitter:
     def __init__(self, joint: fx.GraphModule, graph: RematGraph, record: Collection[str] = ()) -> None:
         self.fx_nodes = {n.name: n for n in joint.graph.nodes}
@@ -64,15 +70,15 @@ class _Emitter:
 
     def _random(self, original: fx.Node) -> fx.Node:
         """First run: record the generator state, then draw as eager does. Later runs: replay."""
-        val = original.meta["val"]
-        device = (val[0] if isinstance(val, (tuple, list)) else val).device
+        out = _first_output(original)
+        device = out.device
         state = self.rng_states.get(original.name)
         if state is None and original.name not in self.record:
             return self.graph.node_copy(original, self.value)
         if state is None:
             state = self.graph.call_function(rng_state, (device,))
             # AOTAutograd reads the metadata of every saved value.
-            fake_mode = (val[0] if isinstance(val, (tuple, list)) else val).fake_mode
+            fake_mode = out.fake_mode
             state.meta["val"] = fake_mode.from_tensor(rng_state(device))
             self.rng_states[original.name] = state
             return self.graph.node_copy(original, self.value)
@@ -138,9 +144,7 @@ def rng_state_bytes(joint: JointGraph, graph: RematGraph, schedule: Any) -> int:
     recorded = _rerun_random_ops(graph, schedule.ops, fx_nodes)
     if not recorded:
         return 0
-    val = fx_nodes[recorded[0]].meta["val"]
-    device = (val[0] if isinstance(val, (tuple, list)) else val).device
-    return (len(recorded) + 1) * rng_state(device).nbytes
+    return (len(recorded) + 1) * rng_state(_first_output(fx_nodes[recorded[0]]).device).nbytes
 
 
 def generate(joint: JointGraph, graph: RematGraph, schedule: Any) -> tuple[fx.GraphModule, fx.GraphModule]:

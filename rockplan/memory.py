@@ -14,8 +14,8 @@ API
     tracker.peak, tracker.current     # peak of the step, bytes it created still alive at exit
 
 ``measure_step(fn, *args, device=None, method="auto", **kwargs) -> StepMemory`` runs
-``fn(*args, **kwargs)`` under a tracker and returns ``StepMemory(peak, end, result)``; ``end`` includes whatever the
-returned ``result`` keeps alive.
+``fn(*args, **kwargs)`` under a tracker and returns ``StepMemory(peak, end, result)``; ``end``
+includes whatever the returned ``result`` keeps alive.
 
 Three ways of counting, chosen by ``method``:
 
