@@ -30,7 +30,7 @@ from rockplan.decisions import decide
 from rockplan.explain import explain
 from rockplan.plan_file import export_plan, load_plan
 from rockplan.plots import plot_memory
-from solvers import RUNTIME_SOLVERS, Schedule, simulate, solve_store_all
+from solvers import RUNTIME_SOLVERS, InfeasibleBudget, Schedule, simulate, solve_store_all
 from solvers.bounds import time_lower_bound
 
 log = logging.getLogger(__name__)
@@ -173,10 +173,22 @@ class Rockmate(nn.Module):
                 schedule = load_plan(self.plan_file, graph)
             else:
                 schedule = RUNTIME_SOLVERS[self.solver](graph, budget, **self.solver_options)
-            reserved = _reserved_bytes(joint, graph, schedule)
-            if reserved and schedule.predicted_peak + reserved > budget and self.plan_file is None:
-                schedule = RUNTIME_SOLVERS[self.solver](graph, budget - reserved, **self.solver_options)
+            reserved = held_back = _reserved_bytes(joint, graph, schedule)
+            # Planned within less, a schedule may recompute more random ops and so hold more
+            # states (GPT at its minimum budget): hold back the most seen, a few rounds at most.
+            for _ in range(3):
+                if schedule.predicted_peak + reserved <= budget or self.plan_file is not None:
+                    break
+                held_back = max(held_back, reserved)
+                schedule = RUNTIME_SOLVERS[self.solver](graph, budget - held_back, **self.solver_options)
                 reserved = _reserved_bytes(joint, graph, schedule)
+            if schedule.predicted_peak + reserved > budget and self.plan_file is None:
+                raise InfeasibleBudget(
+                    f"budget {budget} bytes ({format_bytes(budget)}) is too small: the plans found also need "
+                    f"{reserved} bytes beyond the graph (copies of mutated buffers, recorded RNG states), which "
+                    f"do not fit beside their peak of {schedule.predicted_peak} bytes; the smallest feasible "
+                    f"budget lies above it and at most at {store_all.predicted_peak} bytes "
+                    f"({format_bytes(store_all.predicted_peak)}, recomputing nothing)")
             simulate(graph, schedule, budget - reserved)  # the referee: never run an unchecked plan
             if log.isEnabledFor(logging.INFO):  # the floor is computed only to be shown
                 floor = time_lower_bound(graph, budget - reserved)[0]
