@@ -125,9 +125,10 @@ def build_graph(joint: JointGraph, name: str = "", replay_rng: bool = True) -> R
         producers = {group_of[storages.of(a)] for a in _tensor_inputs(node) if storages.of(a) in group_of}
         # Only forward chains are grouped: a backward chain's inputs (gradients) usually die
         # inside it, which a group's workspace, charged on top of its inputs, would overstate.
+        # Nor does anything join a random op: what follows a draw is recomputed without one.
         if _is_pointwise(node) and not is_random(node) and len(producers) == 1 and not is_backward(node):
             (group,) = producers
-            if not is_backward(group.head):
+            if not is_backward(group.head) and not any(is_random(n) for n in group.ops):
                 group.ops.append(node)
                 group_of[node.name] = group
                 continue

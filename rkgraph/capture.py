@@ -28,6 +28,8 @@ from torch._functorch.partitioners import default_partition
 from torch._subclasses import FakeTensorMode
 from torch.func import functional_call
 
+from rkgraph.dropout import split_dropout
+
 log = logging.getLogger(__name__)
 
 PartitionFn = Callable[..., tuple[fx.GraphModule, fx.GraphModule]]
@@ -183,6 +185,11 @@ def _has_data_mutation(t: torch.Tensor) -> bool:
     return isinstance(t, FunctionalTensor) and torch._functionalize_has_data_mutation(t.elem)
 
 
+def preserved_rng() -> contextlib.AbstractContextManager[object]:
+    """Restore the default generators (CPU and every CUDA device) on exit."""
+    return torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else [])
+
+
 def flat_tensors(model: torch.nn.Module, flat: FlatCall, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return [*model.parameters(), *model.buffers(), *flat.tensors(args, kwargs)]
 
@@ -212,6 +219,7 @@ def trace(
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes = [mode.from_tensor(t) for t in tensors]
     with (
+        preserved_rng(),  # ops with no tensor inputs run for real in the fake forward, draws included
         _native_kernels() if native_kernels else contextlib.nullcontext(),
         _module_path_annotations(model),
         fx_traceback.preserve_node_meta(),
@@ -243,6 +251,8 @@ def capture_joint(model: torch.nn.Module, args: Any, kwargs: dict | None = None)
 
 
 def joint_graph(flat: FlatCall, joint: fx.GraphModule, num_fwd_outputs: int) -> JointGraph:
+    """Wrap AOTAutograd's joint graph, with dropout split so its output is cheap to recompute."""
+    split_dropout(joint)
     kinds = ["param"] * len(flat.param_names) + ["buffer"] * len(flat.buffer_names)
     kinds += ["input"] * len(flat.input_names)
     names = flat.param_names + flat.buffer_names + flat.input_names

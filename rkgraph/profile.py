@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils.flop_counter import flop_registry
 
+from rkgraph.capture import preserved_rng
 from rkgraph.graph import RematGraph
 
 log = logging.getLogger(__name__)
@@ -160,16 +161,9 @@ def _replays(
     # measured 0.6 ms). Leave the fake mode, so real kernels run.
     if any(isinstance(t, FakeTensor) for t in inputs):
         raise ValueError("profiling needs real tensors, got fake ones")
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    try:
-        with torch.no_grad(), unset_fake_temporarily():
-            for _ in range(runs):
-                Replay(joint).run(*inputs)
-    finally:
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+    with preserved_rng(), torch.no_grad(), unset_fake_temporarily():
+        for _ in range(runs):
+            Replay(joint).run(*inputs)
 
 
 def measure_times(

@@ -55,7 +55,15 @@ def partitioner_choice(graph: RematGraph, ratio: float) -> PartitionerChoice:
     with warnings.catch_warnings(), unset_fake_temporarily():
         warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecation, from deepcopy
         module = copy.deepcopy(joint.module)
-    with config.patch(activation_memory_budget=ratio):
+    # The partitioner knows random ops by a list of ATen's: it would recompute our dropout
+    # mask draws (rkgraph.dropout), and its CSE would merge those of one shape (no tensor
+    # inputs, equal arguments). Marked as values to save, and CSE off (the joint graph has
+    # no other duplicates to merge: AOTAutograd hands it over already CSE'd).
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    for node in module.graph.find_nodes(op="call_function", target=torch.ops.rkgraph.dropout_mask.default):
+        node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    with config.patch(activation_memory_budget=ratio, cse=False):
         _, backward = min_cut_rematerialization_partition(module, None, num_fwd_outputs=joint.num_fwd_outputs)
     joint_nodes = {n.name: n for n in joint.module.graph.nodes}
     saved = []

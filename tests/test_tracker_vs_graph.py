@@ -102,9 +102,7 @@ def test_transformer_gap_is_eager_cpu_float_dropout_masks(name: str, ratio: floa
     measured = eager_peak(model, args, kwargs)
     assert measured / predicted_peak(graph) == pytest.approx(ratio, abs=0.02)
 
-    fx_nodes = {n.name: n for n in graph.joint.module.graph.nodes}
-    masks = [d for n in graph.nodes if n.op == "aten.native_dropout.default" for d in n.outputs
-             if fx_nodes[d].meta["val"].dtype == torch.bool]
+    masks = [d for n in graph.nodes if n.op == "rkgraph.dropout_mask.default" for d in n.outputs]
     assert masks
     for d in masks:
         graph.data[d].size *= torch.float32.itemsize
