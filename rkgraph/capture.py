@@ -28,6 +28,7 @@ from torch._functorch.partitioners import default_partition
 from torch._subclasses import FakeTensorMode
 from torch.func import functional_call
 
+from rkgraph.cross_entropy import fuse_cross_entropy_backward
 from rkgraph.dropout import split_dropout
 
 log = logging.getLogger(__name__)
@@ -251,8 +252,11 @@ def capture_joint(model: torch.nn.Module, args: Any, kwargs: dict | None = None)
 
 
 def joint_graph(flat: FlatCall, joint: fx.GraphModule, num_fwd_outputs: int) -> JointGraph:
-    """Wrap AOTAutograd's joint graph, with dropout split so its output is cheap to recompute."""
+    """Wrap AOTAutograd's joint graph, rewritten in place for memory: dropout split so that
+    its output is cheap to recompute, cross-entropy's backward fused (one logits-sized
+    gradient instead of two)."""
     split_dropout(joint)
+    fuse_cross_entropy_backward(joint)
     kinds = ["param"] * len(flat.param_names) + ["buffer"] * len(flat.buffer_names)
     kinds += ["input"] * len(flat.input_names)
     names = flat.param_names + flat.buffer_names + flat.input_names

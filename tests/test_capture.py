@@ -189,53 +189,6 @@ def test_bilinear_upsample_keeps_its_aten_kernel() -> None:
     assert {op: dict(op.py_kernels) for op in registered} == registered
 
 
-_LAYOUTS = {
-    "contiguous": lambda: torch.randn(64, 33),
-    "transposed": lambda: torch.randn(33, 64).t(),
-    "channels_last": lambda: torch.randn(2, 8, 5, 5).to(memory_format=torch.channels_last),
-    "sliced": lambda: torch.randn(8, 5, 2)[:, ::2],
-    "expanded": lambda: torch.randn(8, 1).expand(8, 6),
-    "float64": lambda: torch.randn(3, 4, dtype=torch.float64),
-}
-
-
-@pytest.mark.parametrize("layout", sorted(_LAYOUTS))
-def test_split_dropout_draws_what_native_dropout_draws(layout: str) -> None:
-    """The split graph draws the same mask, makes the same output (values and strides) and
-    leaves the generator where `native_dropout` leaves it."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    from rkgraph.dropout import split_dropout
-
-    x = _LAYOUTS[layout]()
-
-    def dropout(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.ops.aten.native_dropout.default(x, 0.3, True)
-
-    original, split = (make_fx(dropout, tracing_mode="fake")(x) for _ in range(2))
-    assert split_dropout(split) == 1
-    assert not split.graph.find_nodes(op="call_function", target=torch.ops.aten.native_dropout.default)
-    results = []
-    for gm in (original, split):
-        torch.manual_seed(5)
-        results.append((*gm(x), torch.get_rng_state()))
-    (out, mask, state), (split_out, split_mask, split_state) = results
-    assert torch.equal(split_mask, mask) and torch.equal(split_out, out) and torch.equal(split_state, state)
-    assert split_out.stride() == out.stride() and split_mask.stride() == mask.stride()
-    assert not mask.all() and mask.any()  # a real draw
-
-
-def test_reduced_precision_dropout_is_not_split() -> None:
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    from rkgraph.dropout import split_dropout
-
-    def dropout(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.ops.aten.native_dropout.default(x, 0.3, True)
-
-    assert split_dropout(make_fx(dropout, tracing_mode="fake")(torch.randn(8, 8, dtype=torch.bfloat16))) == 0
-
-
 def test_dropout_output_is_recomputed_without_a_draw(net: Net) -> None:
     """Captured on CPU, each dropout is a mask draw (no inputs, replayed as random) and the
     mask's application, a node that draws nothing and reads the dropout's input and mask."""
