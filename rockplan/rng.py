@@ -27,7 +27,7 @@ def _set_rng_state(device: torch.device, state: torch.Tensor) -> None:
 
 
 def replay(state: torch.Tensor, device: torch.device, op: str, *args: Any, **kwargs: Any) -> Any:
-    """Run the random ATen `op` ("aten.native_dropout.default") as it ran when `state` was recorded.
+    """Run the random op `op` ("rkgraph.dropout_mask.default") as it ran when `state` was recorded.
 
     The op is named by a string because generated fx code prints its arguments as source.
     """

@@ -97,6 +97,23 @@ def test_dtr_on_zoo_graphs(zoo_graphs: dict[str, RematGraph], name: str) -> None
         assert simulate(graph, schedule, budget).peak <= budget
 
 
+def test_dtr_keeping_drawn_values_never_redraws(zoo_graphs: dict[str, RematGraph]) -> None:
+    """With `keep_drawn`, what dropout drew stays: no mask is drawn again, where plain DTR
+    redraws them (masks are small and stale, so its heuristic evicts them). Lower, keeping
+    them all may not fit: that variant is one candidate among the heuristics."""
+    graph = zoo_graphs["gpt"]
+    store_all = solve_store_all(graph)
+    for fraction in (0.7, 0.5):
+        budget = int(fraction * store_all.predicted_peak)
+        redrawn = []
+        for keep in (False, True):
+            counts = simulate(graph, solve_dtr(graph, budget, keep_drawn=keep), budget).recompute_counts
+            redrawn.append(sum(c for n, c in counts.items() if graph.node(n).rng))
+        assert redrawn[0] > 0 and redrawn[1] == 0, fraction
+    with pytest.raises(InfeasibleBudget):
+        solve_dtr(graph, int(0.4 * store_all.predicted_peak), keep_drawn=True)
+
+
 # --- PyTorch's partitioner -------------------------------------------------------------------
 
 
