@@ -187,8 +187,10 @@ def _has_data_mutation(t: torch.Tensor) -> bool:
 
 
 def preserved_rng() -> contextlib.AbstractContextManager[object]:
-    """Restore the default generators (CPU and every CUDA device) on exit."""
-    return torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else [])
+    """Restore the default generators on exit: CPU's, and every CUDA device's once CUDA is
+    initialised (reading them earlier would create a context on every device)."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return torch.random.fork_rng(devices=range(torch.cuda.device_count()) if cuda else [])
 
 
 def flat_tensors(model: torch.nn.Module, flat: FlatCall, args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -255,8 +257,9 @@ def joint_graph(flat: FlatCall, joint: fx.GraphModule, num_fwd_outputs: int) -> 
     """Wrap AOTAutograd's joint graph, rewritten in place for memory: dropout split so that
     its output is cheap to recompute, cross-entropy's backward fused (one logits-sized
     gradient instead of two)."""
-    split_dropout(joint)
-    fuse_cross_entropy_backward(joint)
+    if split_dropout(joint) + fuse_cross_entropy_backward(joint):
+        joint.graph.lint()
+        joint.recompile()
     kinds = ["param"] * len(flat.param_names) + ["buffer"] * len(flat.buffer_names)
     kinds += ["input"] * len(flat.input_names)
     names = flat.param_names + flat.buffer_names + flat.input_names

@@ -52,8 +52,9 @@ def _base(node: fx.Node) -> fx.Node:
 
 
 def fuse_cross_entropy_backward(gm: fx.GraphModule) -> int:
-    """Replace each `_log_softmax_backward_data(nll_loss_backward(...))` pair of `gm` over 2-D
-    log-probabilities, without class weights, by `log_softmax_nll_backward`; returns how many."""
+    """Replace each `_log_softmax_backward_data(nll_loss_backward(...))` pair of `gm`'s graph
+    over 2-D log-probabilities, without class weights, by `log_softmax_nll_backward` (the
+    caller recompiles); returns how many."""
     count = 0
     for nll in list(gm.graph.find_nodes(op="call_function", target=aten.nll_loss_backward.default)):
         grad, log_probs, target, weight, reduction, ignore_index, total_weight = nll.args
@@ -80,7 +81,4 @@ def fuse_cross_entropy_backward(gm: fx.GraphModule) -> int:
         gm.graph.erase_node(backward)
         gm.graph.erase_node(nll)
         count += 1
-    if count:
-        gm.graph.lint()
-        gm.recompile()
     return count

@@ -54,8 +54,9 @@ def _splittable(node: fx.Node) -> bool:
 
 
 def split_dropout(gm: fx.GraphModule) -> int:
-    """Rewrite every CPU `native_dropout` of `gm` in place (see the module docstring); returns
-    how many. The new nodes take the replaced node's metadata (forward or backward, module)."""
+    """Rewrite every CPU `native_dropout` of `gm`'s graph (see the module docstring; the caller
+    recompiles); returns how many. The new nodes take the replaced node's metadata (forward or
+    backward, module)."""
     count = 0
     for node in list(gm.graph.find_nodes(op="call_function", target=aten.native_dropout.default)):
         if not _splittable(node):
@@ -73,7 +74,4 @@ def split_dropout(gm: fx.GraphModule) -> int:
             gm.graph.erase_node(item)
         gm.graph.erase_node(node)
         count += 1
-    if count:
-        gm.graph.lint()
-        gm.recompile()
     return count
