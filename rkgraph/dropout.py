@@ -38,8 +38,7 @@ def _(size: list[int], stride: list[int], p: float, device: torch.device) -> tor
 
 
 def _splittable(node: fx.Node) -> bool:
-    if node.target is not aten.native_dropout.default:
-        return False
+    """Whether a `native_dropout` node can be split drawing and computing exactly what it does."""
     _, p, train = (*node.args, *([None] * 3))[:3]
     train = node.kwargs.get("train", train)
     val = node.meta.get("val")

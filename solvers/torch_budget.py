@@ -57,8 +57,8 @@ def partitioner_choice(graph: RematGraph, ratio: float) -> PartitionerChoice:
         module = copy.deepcopy(joint.module)
     # The partitioner knows random ops by a list of ATen's: it would recompute our dropout
     # mask draws (rkgraph.dropout), and its CSE would merge those of one shape (no tensor
-    # inputs, equal arguments). Marked as values to save, and CSE off (the joint graph has
-    # no other duplicates to merge: AOTAutograd hands it over already CSE'd).
+    # inputs, equal arguments). Marked as values to save, and CSE off. What CSE would merge
+    # besides is small: on GPT, each layer's copy of the causal mask (ones, tril, where).
     from torch.utils.checkpoint import CheckpointPolicy
 
     for node in module.graph.find_nodes(op="call_function", target=torch.ops.rkgraph.dropout_mask.default):

@@ -27,16 +27,16 @@ _LAYOUTS = {
 }
 
 
+def _dropout(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return aten.native_dropout.default(x, 0.3, True)
+
+
 @pytest.mark.parametrize("layout", sorted(_LAYOUTS))
 def test_split_dropout_draws_what_native_dropout_draws(layout: str) -> None:
     """The split graph draws the same mask, makes the same output (values and strides) and
     leaves the generator where `native_dropout` leaves it."""
     x = _LAYOUTS[layout]()
-
-    def dropout(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.ops.aten.native_dropout.default(x, 0.3, True)
-
-    original, split = (make_fx(dropout, tracing_mode="fake")(x) for _ in range(2))
+    original, split = (make_fx(_dropout, tracing_mode="fake")(x) for _ in range(2))
     assert split_dropout(split) == 1
     split.recompile()
     assert not split.graph.find_nodes(op="call_function", target=torch.ops.aten.native_dropout.default)
@@ -51,10 +51,7 @@ def test_split_dropout_draws_what_native_dropout_draws(layout: str) -> None:
 
 
 def test_reduced_precision_dropout_is_not_split() -> None:
-    def dropout(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.ops.aten.native_dropout.default(x, 0.3, True)
-
-    assert split_dropout(make_fx(dropout, tracing_mode="fake")(torch.randn(8, 8, dtype=torch.bfloat16))) == 0
+    assert split_dropout(make_fx(_dropout, tracing_mode="fake")(torch.randn(8, 8, dtype=torch.bfloat16))) == 0
 
 
 def _cross_entropy_backward(reduction: str):
