@@ -11,6 +11,7 @@ from solvers.ilp import solve_ilp
 from solvers.peak_shaving import solve_peak_shaving
 from solvers.rockmate import solve_rockmate
 from solvers.rotor import solve_rotor
+from solvers.saved_values import solve_saved_values
 from solvers.schedule import Op, Schedule
 from solvers.simulate import InfeasibleBudget, InvalidSchedule, SimulationResult, free_at_last_use, simulate
 from solvers.sqrt_segments import solve_sqrt_segments
@@ -27,6 +28,7 @@ SOLVERS: dict[str, Callable[..., Schedule]] = {
     "rockmate": solve_rockmate,
     "dtr": solve_dtr,
     "peak_shaving": solve_peak_shaving,
+    "saved_values": solve_saved_values,
 }
 # Every solver in SOLVERS runs on any graph, imported ones included; these need a captured
 # graph (`graph.joint`), so the runtime offers them but graph-only tools do not.
@@ -39,6 +41,6 @@ __all__ = [
     "budget_bounds", "checkmate_reference_peak", "format_bytes", "free_at_last_use", "load_checkmate_graph",
     "min_feasible_budget", "simulate", "solve_checkpoint_blocks", "solve_dtr", "solve_greedy_checkpoints", "solve_ilp",
     "solve_peak_shaving",
-    "solve_rockmate", "solve_rotor",
+    "solve_rockmate", "solve_rotor", "solve_saved_values",
     "solve_sqrt_segments", "solve_store_all", "solve_torch_budget",
 ]

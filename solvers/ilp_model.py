@@ -53,7 +53,7 @@ class MilpResult:
     binaries: int
 
 
-class _Builder:
+class MilpBuilder:
     """Columns and rows accumulated as flat arrays (COO), handed to HiGHS in one passModel."""
 
     def __init__(self) -> None:
@@ -117,7 +117,7 @@ class CheckmateMilp:
         n = len(graph.nodes)
         nf = len(graph.forward_nodes)
         self.n, self.nf = n, nf
-        b = _Builder()
+        b = MilpBuilder()
         size = {d: math.ceil(dn.size / unit) for d, dn in graph.data.items() if not graph.is_source(d)}
         producer = {d: graph.index[dn.producer] for d, dn in graph.data.items()
                     if dn.producer is not None}

@@ -20,12 +20,14 @@ from solvers import (
     free_at_last_use,
     min_feasible_budget,
     peak_shaving,
+    saved_values,
     simulate,
     solve_checkpoint_blocks,
     solve_dtr,
     solve_greedy_checkpoints,
     solve_ilp,
     solve_peak_shaving,
+    solve_saved_values,
     solve_sqrt_segments,
     solve_store_all,
 )
@@ -308,6 +310,52 @@ def test_peak_shaving_skips_only_undos_that_cannot_fit(seed: int, fraction: floa
             other = family.build(trial.drops - {drop})
             assert (other is None or other.excess > 0
                     or other.schedule.predicted_time >= trial.schedule.predicted_time), drop
+
+
+@FAST
+@given(seed=st.integers(0, 10**6), fraction=st.floats(0, 1))
+def test_saved_values_runs_the_forward_once_and_fits(seed: int, fraction: float) -> None:
+    graph = random_training_graph(seed)
+    store_all = solve_store_all(graph)
+    low = min_feasible_budget(graph)
+    budget = int(low + fraction * (store_all.predicted_peak - low))
+    try:
+        s = solve_saved_values(graph, budget)
+    except InfeasibleBudget:
+        assert fraction < 1
+        return
+    assert simulate(graph, s, budget).peak == s.predicted_peak <= budget
+    forward = [op.name for op in s.forward_ops if op.kind == "compute"]
+    assert len(forward) == len(set(forward))  # recomputations only in the backward
+    assert time_lower_bound(graph, budget)[0] <= s.predicted_time + 1e-9
+    if fraction == 1:
+        assert s.predicted_time == store_all.predicted_time and s.extra["dropped"] == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10**6), fraction=st.floats(0, 1))
+def test_saved_values_model_never_misses_a_faster_choice(seed: int, fraction: float) -> None:
+    """Against every choice of saved values: the model leaves out only memory (transients),
+    so its first answer is at least as fast as the fastest choice that fits, and when that
+    answer fits it is the fastest (to the MIP gap)."""
+    graph = random_training_graph(seed, max_forward=5)
+    low, high = min_feasible_budget(graph), solve_store_all(graph).predicted_peak
+    budget = int(low + fraction * (high - low))
+    family = saved_values._Family(graph)
+    gaps = sorted(family.gaps)
+    assume(len(gaps) <= 10)
+    best = None
+    for picks in itertools.product((False, True), repeat=len(gaps)):
+        s = family.schedule({d for d, pick in zip(gaps, picks) if pick})
+        if s.predicted_peak <= budget and (best is None or s.predicted_time < best):
+            best = s.predicted_time
+    attempts = saved_values.saved_values_attempts(graph, budget)
+    if best is None:
+        assert not attempts or attempts[-1].predicted_peak > budget
+        return
+    assert attempts and attempts[0].predicted_time <= best * (1 + 2 * saved_values.MIP_GAP) + 1e-9
+    if attempts[0].predicted_peak <= budget:
+        assert attempts[0].predicted_time >= best - 1e-9
 
 
 @settings(max_examples=40, deadline=None)
