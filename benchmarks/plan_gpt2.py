@@ -81,7 +81,7 @@ def main() -> None:
                 cells.append(f"{time.perf_counter() - start:.1f} s / infeasible")
             except Exception as error:  # noqa: BLE001  (a benchmark reports every failure and goes on)
                 cells.append(f"error: {type(error).__name__}")
-        floor = time_lower_bound(graph, budget)[0] / store_all.predicted_time - 1
+        floor = max(0.0, time_lower_bound(graph, budget)[0] / store_all.predicted_time - 1)  # not "-0.0%"
         lines.append(f"| {label} ({format_bytes(budget)}) | {floor:.1%} | {' | '.join(cells)} |")
         print(lines[-1], flush=True)
     if args.output:
