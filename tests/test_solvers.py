@@ -61,6 +61,12 @@ def brute_force_time(graph: RematGraph, budget: int) -> float | None:
     return best
 
 
+def budget_at(graph: RematGraph, fraction: float) -> int:
+    """The budget `fraction` of the way from the smallest feasible one to the store-all peak."""
+    low, high = min_feasible_budget(graph), solve_store_all(graph).predicted_peak
+    return int(low + fraction * (high - low))
+
+
 # --- hand-made graphs with known answers ------------------------------------------------------
 
 
@@ -129,8 +135,7 @@ def test_dtr_keeps_a_random_output_while_a_tensor_it_alone_remakes_is_needed(see
     the random node (InvalidSchedule from the simulator). Each of these cases failed under any
     hash seed tried."""
     graph = random_training_graph(seed, max_forward=10)
-    low, high = min_feasible_budget(graph), solve_store_all(graph).predicted_peak
-    budget = int(low + fraction * (high - low))
+    budget = budget_at(graph, fraction)
     for heuristic in ("dtr", "next_use", "size"):
         try:
             s = solve_dtr(graph, budget, heuristic=heuristic)
@@ -247,8 +252,7 @@ def test_baselines_are_valid_and_report_what_the_simulator_measures(seed: int) -
 @given(seed=st.integers(0, 10**6), fraction=st.floats(0, 1))
 def test_ilp_is_valid_and_never_worse_than_a_baseline(seed: int, fraction: float) -> None:
     graph = random_training_graph(seed)
-    low, high = min_feasible_budget(graph), solve_store_all(graph).predicted_peak
-    budget = int(low + fraction * (high - low))
+    budget = budget_at(graph, fraction)
     # Gap 0: a solve that stops within a gap of the floor may end above a baseline inside it.
     s = solve_ilp(graph, budget, time_limit=10, mip_rel_gap=0)
     assert simulate(graph, s, budget).peak == s.predicted_peak <= budget
@@ -278,8 +282,7 @@ def test_greedy_checkpoints_fit_down_to_the_minimum_memory_schedule(seed: int, f
 def test_peak_shaving_is_valid_above_the_floor_and_store_all_when_it_fits(seed: int, fraction: float) -> None:
     graph = random_training_graph(seed)
     store_all = solve_store_all(graph)
-    low = min_feasible_budget(graph)
-    budget = int(low + fraction * (store_all.predicted_peak - low))
+    budget = budget_at(graph, fraction)
     try:
         s = solve_peak_shaving(graph, budget, time_limit=5)
     except InfeasibleBudget:
@@ -296,8 +299,7 @@ def test_peak_shaving_skips_only_undos_that_cannot_fit(seed: int, fraction: floa
     """`still_needed` spares the undo phase a build when undoing a drop surely gives no faster
     schedule that fits: it must never say so of one that does."""
     graph = random_training_graph(seed, max_forward=10)
-    low, high = min_feasible_budget(graph), solve_store_all(graph).predicted_peak
-    budget = int(low + fraction * (high - low))
+    budget = budget_at(graph, fraction)
     family = peak_shaving._Family(graph, budget)
     try:
         seed_drops = peak_shaving._drops_of(family, solve_dtr(graph, budget))
@@ -317,8 +319,7 @@ def test_peak_shaving_skips_only_undos_that_cannot_fit(seed: int, fraction: floa
 def test_saved_values_runs_the_forward_once_and_fits(seed: int, fraction: float) -> None:
     graph = random_training_graph(seed)
     store_all = solve_store_all(graph)
-    low = min_feasible_budget(graph)
-    budget = int(low + fraction * (store_all.predicted_peak - low))
+    budget = budget_at(graph, fraction)
     try:
         s = solve_saved_values(graph, budget)
     except InfeasibleBudget:
@@ -339,8 +340,7 @@ def test_saved_values_model_never_misses_a_faster_choice(seed: int, fraction: fl
     so its first answer is at least as fast as the fastest choice that fits, and when that
     answer fits it is the fastest (to the MIP gap)."""
     graph = random_training_graph(seed, max_forward=5)
-    low, high = min_feasible_budget(graph), solve_store_all(graph).predicted_peak
-    budget = int(low + fraction * (high - low))
+    budget = budget_at(graph, fraction)
     family = saved_values._Family(graph)
     gaps = sorted(family.gaps)
     assume(len(gaps) <= 10)
