@@ -78,7 +78,10 @@ class _Family:
         graph = self.graph
         schedule = solve_store_all(graph)
         curve = simulate(graph, schedule).curve
-        return [curve[j] + graph.node(op.name).workspace for j, op in enumerate(schedule.ops) if op.kind == "compute"]
+        # By name: a node whose outputs nobody reads is not in the schedule (0 then).
+        steps = {op.name: curve[j] + graph.node(op.name).workspace
+                 for j, op in enumerate(schedule.ops) if op.kind == "compute"}
+        return [steps.get(node.name, 0) for node in graph.nodes]
 
     def solve(self, memory: list[int], time_limit: float) -> set[str] | None:
         """The values saved by the fastest choice whose modelled memory stays within
@@ -163,7 +166,8 @@ def _overshoot_per_step(graph: RematGraph, schedule: Schedule, budget: int) -> d
         if op.kind != "compute":
             continue
         pending.append(curve[j] + graph.node(op.name).workspace)
-        if graph.index[op.name] == step:  # the step's own node: its first computation
+        if graph.index[op.name] >= step:  # the step's own node (unread nodes are not run)
+            step = graph.index[op.name]
             if max(pending) > budget:
                 over[step] = max(pending) - budget
             pending, step = [], step + 1
