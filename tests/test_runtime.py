@@ -86,8 +86,10 @@ def test_allocator_peak_is_the_prediction_to_the_byte(name: str, budget: float, 
     assert measured <= rk.budget
 
 
-@pytest.mark.parametrize("solver", ["dtr", "peak_shaving"])
-@pytest.mark.parametrize("name", ["gpt", "resnet"])
+# Saved values not on ResNet: at 0.7 its family fits only on some measured profiles (kernels'
+# scratch varies).
+@pytest.mark.parametrize(("name", "solver"), [("gpt", "dtr"), ("gpt", "peak_shaving"), ("gpt", "saved_values"),
+                                              ("resnet", "dtr"), ("resnet", "peak_shaving")])
 def test_heuristic_plans_run_bitwise_like_store_all(name: str, solver: str) -> None:
     # Rockmate often returns these heuristics' schedules; each must also run as planned.
     model, args, kwargs, _loss = zoo.make(name, "tiny")
