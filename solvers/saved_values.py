@@ -73,15 +73,10 @@ class _Family:
         self.store_all_steps = self._store_all_steps()
 
     def _store_all_steps(self) -> list[int]:
-        """Memory during each node's step in the store-everything schedule: what is alive
-        after it (the simulator's curve), plus its workspace."""
-        graph = self.graph
-        schedule = solve_store_all(graph)
-        curve = simulate(graph, schedule).curve
-        # By name: a node whose outputs nobody reads is not in the schedule (0 then).
-        steps = {op.name: curve[j] + graph.node(op.name).workspace
-                 for j, op in enumerate(schedule.ops) if op.kind == "compute"}
-        return [steps.get(node.name, 0) for node in graph.nodes]
+        """Memory during each node's step in the store-everything schedule (0 for a node whose
+        outputs nobody reads: the schedule does not run it)."""
+        steps = _step_memory(self.graph, solve_store_all(self.graph))
+        return [steps.get(t, 0) for t in range(len(self.graph.nodes))]
 
     def solve(self, memory: list[int], time_limit: float) -> set[str] | None:
         """The values saved by the fastest choice whose modelled memory stays within
@@ -155,11 +150,11 @@ class _Family:
                                       extra={"saved": len(saved), "dropped": len(self.gaps) - len(saved)})
 
 
-def _overshoot_per_step(graph: RematGraph, schedule: Schedule, budget: int) -> dict[int, int]:
-    """Step t -> bytes above `budget` during the ops run for it (its recomputations, then
-    node t itself), for the steps that overshoot."""
+def _step_memory(graph: RematGraph, schedule: Schedule) -> dict[int, int]:
+    """Step t -> the most memory during the ops run for it (its recomputations, then node t
+    itself): what is alive after each op (the simulator's curve) plus the op's workspace."""
     curve = simulate(graph, schedule).curve
-    over: dict[int, int] = {}
+    steps: dict[int, int] = {}
     pending: list[int] = []  # memory during the recomputations made for the next step
     step = 0
     for j, op in enumerate(schedule.ops):
@@ -168,10 +163,9 @@ def _overshoot_per_step(graph: RematGraph, schedule: Schedule, budget: int) -> d
         pending.append(curve[j] + graph.node(op.name).workspace)
         if graph.index[op.name] >= step:  # the step's own node (unread nodes are not run)
             step = graph.index[op.name]
-            if max(pending) > budget:
-                over[step] = max(pending) - budget
+            steps[step] = max(pending)
             pending, step = [], step + 1
-    return over
+    return steps
 
 
 def saved_values_attempts(graph: RematGraph, budget: int, time_limit: float = 5.0,
@@ -191,7 +185,7 @@ def saved_values_attempts(graph: RematGraph, budget: int, time_limit: float = 5.
         if saved is None:
             break
         found.append(family.schedule(saved))
-        over = _overshoot_per_step(graph, found[-1], budget)
+        over = {t: memory - budget for t, memory in _step_memory(graph, found[-1]).items() if memory > budget}
         if not over or time.perf_counter() > deadline:
             break
         for t, excess in over.items():
