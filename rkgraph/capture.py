@@ -30,6 +30,7 @@ from torch.func import functional_call
 
 from rkgraph.cross_entropy import fuse_cross_entropy_backward
 from rkgraph.dropout import split_dropout
+from rkgraph.linear_cross_entropy import fuse_linear_cross_entropy
 
 log = logging.getLogger(__name__)
 
@@ -256,8 +257,10 @@ def capture_joint(model: torch.nn.Module, args: Any, kwargs: dict | None = None)
 def joint_graph(flat: FlatCall, joint: fx.GraphModule, num_fwd_outputs: int) -> JointGraph:
     """Wrap AOTAutograd's joint graph, rewritten in place for memory: dropout split so that
     its output is cheap to recompute, cross-entropy's backward fused (one logits-sized
-    gradient instead of two)."""
-    if split_dropout(joint) + fuse_cross_entropy_backward(joint):
+    gradient instead of two), a head matmul and its cross-entropy fused (the logits made and
+    used a chunk of rows at a time)."""
+    # Fusing the head reads the fused backward; `+` runs all three, in order.
+    if split_dropout(joint) + fuse_cross_entropy_backward(joint) + fuse_linear_cross_entropy(joint):
         joint.graph.lint()
         joint.recompile()
     kinds = ["param"] * len(flat.param_names) + ["buffer"] * len(flat.buffer_names)

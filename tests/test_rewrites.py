@@ -1,5 +1,6 @@
-"""Graph rewrites applied at capture (rkgraph.dropout, rkgraph.cross_entropy): each replaced
-op pattern against the ATen ops it replaces, run on real tensors."""
+"""Graph rewrites applied at capture (rkgraph.dropout, rkgraph.cross_entropy,
+rkgraph.linear_cross_entropy): each replaced op pattern against the ATen ops it replaces, run
+on real tensors."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import rkgraph
 from rkgraph.cross_entropy import fuse_cross_entropy_backward
 from rkgraph.dropout import split_dropout
+from rkgraph.linear_cross_entropy import fuse_linear_cross_entropy
 from rockplan import zoo
 from solvers import solve_store_all
 
@@ -91,20 +93,103 @@ def test_cross_entropy_with_class_weights_is_left_alone() -> None:
     assert fuse_cross_entropy_backward(gm) == 0
 
 
+def _without(monkeypatch: pytest.MonkeyPatch, rewrite: str) -> None:
+    """Capture without one rewrite. sys.modules: the package's `capture` function hides its
+    `capture` module."""
+    monkeypatch.setattr(sys.modules["rkgraph.capture"], rewrite, lambda gm: 0)
+
+
 def test_fused_cross_entropy_holds_one_logits_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
     """In GPT's step with the loss inside, the store-all peak falls by a logits-sized tensor:
     it is at the loss's backward, where the unfused ops hold three."""
     model, args, kwargs, loss_fn = zoo.make("gpt", "default")
     step = zoo.WithLoss(model, loss_fn)
+    _without(monkeypatch, "fuse_linear_cross_entropy")  # it would replace the fused backward
     graph = rkgraph.capture(step, args, kwargs)
     fused = [n for n in graph.nodes if n.op == "rkgraph.log_softmax_nll_backward.default"]
     assert len(fused) == 1 and not any("nll_loss_backward" in n.op for n in graph.nodes)
     (logits_grad,) = fused[0].outputs
     assert graph.data[logits_grad].size == 4 * 255 * 8192 * 4  # the loss shifts targets by one
-    # sys.modules: the package's `capture` function hides its `capture` module.
-    monkeypatch.setattr(sys.modules["rkgraph.capture"], "fuse_cross_entropy_backward", lambda gm: 0)
+    _without(monkeypatch, "fuse_cross_entropy_backward")
     unfused = rkgraph.capture(step, args, kwargs)
     assert any(n.op == "aten.nll_loss_backward.default" for n in unfused.nodes)
     saved = solve_store_all(unfused).predicted_peak - solve_store_all(graph).predicted_peak
     # Nearly all of it: the peak moves to the next op (the head's matmul backward).
     assert 0.99 * graph.data[logits_grad].size <= saved <= graph.data[logits_grad].size
+
+
+def _head_and_loss(reduction: str, shift: bool):
+    """A language model's head and loss with its backward, as the joint graph has them: GPT's
+    loss reads every position but the last (`shift`), through a slice, a copy and views."""
+    def step(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logits = (x.view(-1, x.shape[-1]) @ w.t()).view(*x.shape[:-1], -1)
+        if shift:
+            logits = logits[:, :-1]
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target, reduction=reduction)
+        return (loss, *torch.autograd.grad(loss, (x, w), torch.tensor(0.7)))
+    return step
+
+
+@pytest.mark.parametrize(("reduction", "shift", "dtype"), [
+    ("mean", True, torch.float32), ("sum", True, torch.float64), ("mean", False, torch.float32),
+])
+def test_fused_linear_cross_entropy_gives_the_same_loss_and_gradients(
+    reduction: str, shift: bool, dtype: torch.dtype,
+) -> None:
+    """Head and loss fused (the logits made a chunk of rows at a time, no logits saved): the
+    same loss and gradients as the unfused ops, for rows spanning several chunks, ignored
+    targets and a loss gradient other than one."""
+    torch.manual_seed(0)
+    batch, seq, width, vocab = 3, 200, 24, 500  # 597 or 600 rows: three chunks, the last short
+    x = torch.randn(batch, seq, width, dtype=dtype, requires_grad=True)
+    w = (torch.randn(vocab, width, dtype=dtype) * 0.3).requires_grad_()
+    target = torch.randint(0, vocab, (batch * (seq - shift),))
+    target[::11] = -100
+    original = make_fx(_head_and_loss(reduction, shift), tracing_mode="fake")(x, w, target)
+    fused = make_fx(_head_and_loss(reduction, shift), tracing_mode="fake")(x, w, target)
+    assert fuse_cross_entropy_backward(fused) == 1 and fuse_linear_cross_entropy(fused) == 1
+    fused.graph.lint()
+    fused.recompile()
+    ops = {n.target for n in fused.graph.nodes}
+    assert torch.ops.rkgraph.linear_cross_entropy.default in ops
+    assert not ops & {aten.mm.default, aten._log_softmax.default, aten.nll_loss_forward.default}
+    expected, got = original(x, w, target), fused(x, w, target)
+    tolerance = {"rtol": 1e-5, "atol": 1e-7} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-14}
+    for e, g in zip(expected, got, strict=True):
+        assert g.shape == e.shape and g.dtype == e.dtype
+        torch.testing.assert_close(g, e, **tolerance)
+    if shift:
+        assert not got[1][:, -1].any()  # the last position's logits feed no loss
+
+
+@pytest.mark.parametrize("case", ["class_weights", "bfloat16", "no_reduction"])
+def test_linear_cross_entropy_outside_its_cases_is_left_alone(case: str) -> None:
+    dtype = torch.bfloat16 if case == "bfloat16" else torch.float32
+
+    def step(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logits = (x @ w.t()).float() if case == "bfloat16" else x @ w.t()
+        loss = F.cross_entropy(logits, target, weight=torch.ones(10) if case == "class_weights" else None,
+                               reduction="none" if case == "no_reduction" else "mean")
+        return (loss, *torch.autograd.grad(loss.sum(), (x, w)))
+
+    args = (torch.randn(6, 4, dtype=dtype, requires_grad=True), torch.randn(10, 4, dtype=dtype, requires_grad=True),
+            torch.randint(0, 10, (6,)))
+    gm = make_fx(step, tracing_mode="fake")(*args)
+    fuse_cross_entropy_backward(gm)
+    assert fuse_linear_cross_entropy(gm) == 0
+
+
+def test_fused_linear_cross_entropy_keeps_no_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPT's store-all step with the loss inside holds no logits-sized tensor once the head and
+    its loss are fused: its peak falls by more than one of them (32 MiB)."""
+    model, args, kwargs, loss_fn = zoo.make("gpt", "default")
+    step = zoo.WithLoss(model, loss_fn)
+    graph = rkgraph.capture(step, args, kwargs)
+    assert [n.op for n in graph.nodes if "cross_entropy" in n.op or "nll" in n.op] == [
+        "rkgraph.linear_cross_entropy.default"]
+    logits_bytes = 4 * 256 * 8192 * 4
+    assert max(d.size for d in graph.data.values()) < logits_bytes / 2
+    _without(monkeypatch, "fuse_linear_cross_entropy")
+    unfused = rkgraph.capture(step, args, kwargs)
+    saved = solve_store_all(unfused).predicted_peak - solve_store_all(graph).predicted_peak
+    assert saved > logits_bytes
