@@ -13,7 +13,9 @@ logits alive at a time, and no logits saved for the backward.
 
 Only scalar losses (mean or sum), no class weights, float32/float64 logits: the backward's
 scaling needs one number, and reduced precision would round the chunks' log-softmax otherwise
-than eager. Values equal the unfused ops' up to rounding (the loss is summed by chunks).
+than eager. Only heads no wider than the rows the loss reads (E <= rows): the unit gradient of
+the head's weight and its scaled copy, two [V, E] tensors, must not outweigh two logits.
+Values equal the unfused ops' up to rounding (the loss is summed by chunks).
 """
 
 from __future__ import annotations
@@ -199,6 +201,12 @@ def _fuse(graph: fx.Graph, nll: fx.Node) -> bool:
     if head.target is not aten.mm.default or len(head.users) != 1:
         return False
     x, wt = head.args
+    # The unit gradient of `wt` lives from the head to its scaling, where its scaled copy joins
+    # it: two [V, E] tensors where the unfused ops hold two logits-sized ones at their worst
+    # ([rows, V] each). A wide head over few rows (GPT-2 small on one sequence of 512: E 768,
+    # 511 rows) would peak higher fused.
+    if wt.meta["val"].shape[0] > target.meta["val"].numel():
+        return False
     rows_chain = _chain(head, log_probs, _ROW_OPS)
     # The backward: the fused gradient, moved back to the head's rows, then the two products.
     grad_logits, grad_chain = fused, []

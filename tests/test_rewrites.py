@@ -162,7 +162,7 @@ def test_fused_linear_cross_entropy_gives_the_same_loss_and_gradients(
         assert not got[1][:, -1].any()  # the last position's logits feed no loss
 
 
-@pytest.mark.parametrize("case", ["class_weights", "bfloat16", "no_reduction"])
+@pytest.mark.parametrize("case", ["class_weights", "bfloat16", "no_reduction", "wider_than_its_rows"])
 def test_linear_cross_entropy_outside_its_cases_is_left_alone(case: str) -> None:
     dtype = torch.bfloat16 if case == "bfloat16" else torch.float32
 
@@ -172,8 +172,9 @@ def test_linear_cross_entropy_outside_its_cases_is_left_alone(case: str) -> None
                                reduction="none" if case == "no_reduction" else "mean")
         return (loss, *torch.autograd.grad(loss.sum(), (x, w)))
 
-    args = (torch.randn(6, 4, dtype=dtype, requires_grad=True), torch.randn(10, 4, dtype=dtype, requires_grad=True),
-            torch.randint(0, 10, (6,)))
+    rows, width = (6, 7) if case == "wider_than_its_rows" else (6, 4)
+    args = (torch.randn(rows, width, dtype=dtype, requires_grad=True),
+            torch.randn(10, width, dtype=dtype, requires_grad=True), torch.randint(0, 10, (rows,)))
     gm = make_fx(step, tracing_mode="fake")(*args)
     fuse_cross_entropy_backward(gm)
     assert fuse_linear_cross_entropy(gm) == 0
