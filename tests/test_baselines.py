@@ -167,6 +167,18 @@ def test_saved_values_at_or_below_torch_budget(zoo_graphs: dict[str, RematGraph]
     assert ours.predicted_time <= theirs.predicted_time + 1e-12
 
 
+def test_torch_budget_never_remakes_the_fused_head() -> None:
+    """Our fused head and loss (rkgraph.linear_cross_entropy) holds the head's backward products:
+    the partitioner is told to save it, as it would save the unfused graph's, rather than run
+    the head thrice again in the backward to spare its [V, E] output (it did, at 0.7 and 0.5)."""
+    model, args, kwargs, loss_fn = zoo.make("gpt", "tiny")
+    graph = rkgraph.capture(zoo.WithLoss(model, loss_fn), args, kwargs)
+    (head,) = [n.name for n in graph.nodes if n.op == "rkgraph.linear_cross_entropy.default"]
+    for fraction in (0.7, 0.5):
+        schedule = solve_torch_budget(graph, int(fraction * solve_store_all(graph).predicted_peak))
+        assert schedule.computes().count(head) == 1 and recomputations(graph, schedule) > 0
+
+
 def test_torch_budget_states_its_lowest_peak(zoo_graphs: dict[str, RematGraph]) -> None:
     graph = zoo_graphs["mlp"]
     with pytest.raises(InfeasibleBudget, match="lowest peak"):
