@@ -164,7 +164,7 @@ def bench_model(name: str, size: str, ratios: list[float], repeats: int, solvers
                 rk = Rockmate(copy.deepcopy(model), (args, kwargs), budget, solver=solver, profile=times)
                 row.plan_time = time.perf_counter() - start
             except (InfeasibleBudget, InvalidSchedule) as e:
-                row.note = str(e).splitlines()[0][:120]
+                row.note = str(e).splitlines()[0][:240]
                 continue
             row.peak = peak(rk)
             row.predicted_overhead = rk.schedule.predicted_time / rk.store_all_time - 1
