@@ -67,6 +67,9 @@ class FlatCall:
     leaves: list[Any]  # non-tensor leaves as given; tensor positions hold None
     tensor_positions: list[int] = field(default_factory=list)
     mutated: set[int] = field(default_factory=set)  # flat indices mutated by the step, seen in tracing
+    # AOTAutograd hands a flat tuple of outputs back as a list (PytreeThunk's shortcut for
+    # "simple" specs); the caller restores the tuple the model returned.
+    returns_tuple: bool = False
 
     def tensors(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         leaves, _ = pytree.tree_flatten((args, kwargs))
@@ -128,6 +131,7 @@ def training_function(
         args, kwargs = flat.unflatten(tensors[n_params + n_buffers:])
         out = functional_call(model, dict(zip(names, tensors[: n_params + n_buffers])), args, kwargs)
         _register_dataclasses(out)
+        flat.returns_tuple = type(out) is tuple
         # AOTAutograd functionalizes the call: a mutated input shows as a pending data mutation.
         flat.mutated.update(i for i, t in enumerate(tensors) if _has_data_mutation(t))
         return out

@@ -224,7 +224,8 @@ class Rockmate(nn.Module):
                                  "pass on_new_input='replan' to plan for it")
             plan = self._plan(args, kwargs)
         self._current = plan
-        return plan.compiled(*flat_tensors(self.model, plan.flat, args, kwargs))
+        out = plan.compiled(*flat_tensors(self.model, plan.flat, args, kwargs))
+        return tuple(out) if plan.flat.returns_tuple else out
 
     def train(self, mode: bool = True) -> Rockmate:
         super().train(mode)
