@@ -13,14 +13,21 @@ from rkgraph.build import build_graph
 from rkgraph.capture import CaptureError, JointGraph, capture_joint
 from rkgraph.graph import ComputeNode, DataNode, RematGraph
 from rkgraph.partition import partition
-from rkgraph.profile import AllocatorEvents, estimate_times, measure_scratch, measure_times, random_tangents
+from rkgraph.profile import (
+    AllocatorEvents,
+    estimate_scratch,
+    estimate_times,
+    measure_scratch,
+    measure_times,
+    random_tangents,
+)
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "AllocatorEvents", "CaptureError", "ComputeNode", "DataNode", "JointGraph", "RematGraph", "build_graph",
-    "capture", "capture_joint", "estimate_times", "measure_scratch", "measure_times", "partition", "profile_graph",
-    "random_tangents",
+    "capture", "capture_joint", "estimate_scratch", "estimate_times", "measure_scratch", "measure_times", "partition",
+    "profile_graph", "random_tangents",
 ]
 
 
@@ -32,9 +39,10 @@ def profile_graph(
     estimated; or, when `mode` maps node names to seconds (another plan's graph of the same
     model and sample), taken from it, so that plans compared are planned on the same costs.
     Kernels' scratch memory is added to node workspaces whenever real inputs are given and
-    `mode` is not "estimate" (it cannot be estimated; it is measured again with a mapping)."""
+    `mode` is not "estimate" (it is measured again with a mapping); otherwise only our own ops'
+    known scratch is (`estimate_scratch`: ATen kernels' cannot be estimated)."""
     device = next((t.device.type for t in real_inputs or []), "cpu")
-    measured = False
+    measured = scratch_measured = False
     if isinstance(mode, Mapping):
         names = [node.name for node in graph.nodes]
         missing, extra = [n for n in names if n not in mode], sorted(set(mode) - set(names))
@@ -55,11 +63,14 @@ def profile_graph(
                     measure_times(graph, joint.module, inputs)
                     measured = True
                 measure_scratch(graph, joint.module, inputs, warm_up=not measured)
+                scratch_measured = True
             except torch.OutOfMemoryError:  # the store-everything replays do not fit
                 log.warning("kernels' scratch not measured%s: the store-everything replay does not fit",
                             "" if measured or isinstance(mode, Mapping) else ", times estimated")
     if not measured and not isinstance(mode, Mapping):
         estimate_times(graph, joint.module, device)
+    if not scratch_measured:
+        estimate_scratch(graph, joint.module)
 
 
 def capture(

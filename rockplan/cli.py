@@ -190,7 +190,8 @@ def parser() -> argparse.ArgumentParser:
                       "size with units (800MB, 1.5GiB)")
     plan.add_argument("--solver", default="ilp", help="planner (default ilp)")
     plan.add_argument("--profile", choices=("measure", "estimate"), default="measure",
-                      help="op times measured on the sample or estimated from FLOPs")
+                      help="op times measured on the sample, or estimated from FLOPs "
+                           "(kernels' scratch then unseen: the step can exceed the budget by it)")
     plan.add_argument("--size", choices=("tiny", "default"), default="default", help="size of a zoo model")
     plan.add_argument("--schedule", help="reuse this plan file instead of solving (checked against the model)")
     plan.add_argument("--out", default=".", help="directory for the outputs (default: current)")

@@ -76,10 +76,11 @@ class Rockmate(nn.Module):
     bytes, a size string ("1.5GiB") or a ratio of the step memory without rematerialization.
     `schedule` is a plan file written by `export`: it is checked against the captured graph
     and used instead of solving (still replayed by the simulator against the budget).
-    `profile`: node times "measure"d on the sample's device, "estimate"d from FLOPs and bytes,
-    or a mapping from node name to seconds, such as another plan's `profile_times()`: the
-    same model and sample then plan on the same costs (measured profiles vary from run to
-    run on a busy machine; a comparison of budgets or solvers should not).
+    `profile`: node times "measure"d on the sample's device, "estimate"d from FLOPs and bytes
+    (no run: kernels' scratch is not seen, and the step can exceed the budget by it), or a
+    mapping from node name to seconds, such as another plan's `profile_times()`: the same
+    model and sample then plan on the same costs (measured profiles vary from run to run on a
+    busy machine; a comparison of budgets or solvers should not).
     """
 
     def __init__(
