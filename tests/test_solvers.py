@@ -358,6 +358,17 @@ def test_saved_values_model_never_misses_a_faster_choice(seed: int, fraction: fl
         assert attempts[0].predicted_time >= best - 1e-9
 
 
+@pytest.mark.parametrize(("seed", "max_forward", "fraction"), [(141, 10, 0.9), (331, 10, 0.8), (362, 6, 0.8)])
+def test_saved_values_attempts_never_repeat(seed: int, max_forward: int, fraction: float) -> None:
+    """An attempt that overshoots lowers the limits of its steps below what the model counted
+    there: lowered only below the limit, a step the model had slack at kept its limit slack and
+    the same choice came back, up to eight times (these graphs, before the fix)."""
+    graph = random_training_graph(seed, max_forward)
+    attempts = saved_values.saved_values_attempts(graph, int(fraction * solve_store_all(graph).predicted_peak))
+    computes = [a.computes() for a in attempts]
+    assert computes and all(a != b for a, b in zip(computes, computes[1:]))
+
+
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10**6), fraction=st.floats(0, 1))
 def test_ilp_equals_brute_force_on_four_node_graphs(seed: int, fraction: float) -> None:
