@@ -28,6 +28,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils.flop_counter import register_flop_formula
 
+from rkgraph.build import is_view
 from rkgraph.cross_entropy import _MEAN, _SUM
 
 aten = torch.ops.aten
@@ -273,10 +274,9 @@ def _sink(scaled: fx.Node) -> None:
     both exist moves from the backward's start, where every saved activation is alive
     (GPT: two [V, E] of 12 MiB at the step's peak), to its end, where few are."""
     moved = [scaled]
-    while (view := _only_user(moved[-1])) is not None and getattr(view.target, "is_view", False):
+    while (view := _only_user(moved[-1])) is not None and is_view(view):
         moved.append(view)
-    first = min((u for n in moved for u in n.users if u not in moved),
-                key={n: i for i, n in enumerate(scaled.graph.nodes)}.__getitem__)
+    first = min((u for n in moved for u in n.users if u not in moved), key=_positions(scaled.graph).__getitem__)
     for node in moved:
         first.prepend(node)
 
@@ -298,9 +298,13 @@ def _head_backward(grad_logits: fx.Node, x: fx.Node, wt: fx.Node) -> tuple[fx.No
     return grad_x, grad_wt
 
 
+def _positions(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
 def _erase_unused(graph: fx.Graph, nodes: list) -> None:
     """Erase, latest first, those of `nodes` nobody reads any more."""
     for node in sorted({n for n in nodes if isinstance(n, fx.Node) and n.op == "call_function"},
-                       key={n: i for i, n in enumerate(graph.nodes)}.__getitem__, reverse=True):
+                       key=_positions(graph).__getitem__, reverse=True):
         if not node.users:
             graph.erase_node(node)
