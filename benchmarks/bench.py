@@ -36,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rockplan import zoo
 from rockplan.budget import format_bytes
-from rockplan.memory import measure_step
+from rockplan.memory import measure_step, steady_cpu_heap
 from rockplan.runtime import Rockmate
 from solvers import RUNTIME_SOLVERS, InfeasibleBudget, InvalidSchedule
 from solvers.bounds import time_lower_bound
@@ -98,7 +98,9 @@ def round_robin(steps: list[Callable[[], object]], repeats: int) -> list[float]:
             fn()
             if i:
                 times[k].append(time.perf_counter() - start)
-    return [statistics.median(t) for t in times]
+    medians = [statistics.median(t) for t in times]
+    logging.info("medians (ms): %s", " ".join(f"{1e3 * m:.1f}" for m in medians))
+    return medians
 
 
 def ratio_to_first(steps: list[Callable[[], object]], repeats: int) -> list[float]:
@@ -193,13 +195,14 @@ def bench_model(name: str, size: str, ratios: list[float], repeats: int, solvers
     return rows
 
 
-def markdown(rows: list[Row], device: str, args: argparse.Namespace) -> str:
+def markdown(rows: list[Row], device: str, args: argparse.Namespace, heap: str) -> str:
     lines = [
         "## Models: measured step peak and step time",
         "",
         f"Measured {datetime.date.today().isoformat()} on {device}; torch {torch.__version__}, Python "
         f"{platform.python_version()}; `python benchmarks/bench.py --models {args.models} --size {args.size} "
-        f"--ratios {args.ratios} --repeats {args.repeats}`. Budget = ratio of "
+        f"--ratios {args.ratios} --repeats {args.repeats}{' --default-heap' if args.default_heap else ''}`; "
+        f"{heap}. Budget = ratio of "
         "the no-rematerialization step peak predicted from the graph (kernels' scratch included); peaks "
         "measured by rockplan's tracker (the allocator: CUDA's statistics, or the CPU allocator's events "
         "recorded by torch.profiler) and include the loss; time = median step time / eager's, eager and the "
@@ -261,6 +264,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--solvers", default="", help="comma list; default: rockmate (or ilp), rotor, dtr")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="docs/benchmarks-models.md")
+    parser.add_argument("--default-heap", action="store_true",
+                        help="leave glibc's malloc thresholds adaptive (see steady_cpu_heap)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     default = [s for s in ("rockmate", "rotor", "dtr", "torch_budget") if s in RUNTIME_SOLVERS] or ["ilp"]
@@ -269,12 +274,17 @@ def main(argv: list[str] | None = None) -> None:
         solvers.insert(0, "ilp")
     cpu = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu
+    heap = "CPU heap: glibc's adaptive thresholds"
+    if not torch.cuda.is_available() and not args.default_heap and steady_cpu_heap():
+        heap = "CPU heap: glibc's malloc thresholds fixed (mmap 32 MiB, no trim; `steady_cpu_heap`)"
+    elif torch.cuda.is_available():
+        heap = "CUDA caching allocator"
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows: list[Row] = []
     for name in args.models.split(","):
         rows += bench_model(name, args.size, [float(r) for r in args.ratios.split(",")], args.repeats, solvers)
-        out.write_text(markdown(rows, device, args))  # after each model: a long run keeps what it measured
+        out.write_text(markdown(rows, device, args, heap))  # after each model: a long run keeps what it measured
         pareto_plot(rows, out.with_suffix(".png"))
     print(out.read_text())
 

@@ -4,7 +4,7 @@
     rk = Rockmate(model, sample, budget=0.5)   # same outputs and gradients, less memory
 """
 
-from rockplan.memory import measure_step
+from rockplan.memory import measure_step, steady_cpu_heap
 from rockplan.runtime import Rockmate
 
-__all__ = ["Rockmate", "measure_step"]
+__all__ = ["Rockmate", "measure_step", "steady_cpu_heap"]

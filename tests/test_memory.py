@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import platform
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -247,3 +251,31 @@ def test_profiler_measures_compiled_code_the_storage_count_cannot() -> None:
     torch._dynamo.reset()
     assert storages_half == storages_all
     assert allocator_half < 0.8 * allocator_all  # measured 0.57 (torch 2.13)
+
+
+_RSS_AFTER_FREE = """
+import sys, torch
+from rockplan.memory import steady_cpu_heap
+fixed = steady_cpu_heap() if sys.argv[1] == "fixed" else None
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+x = torch.ones(20 << 18)  # 20 MiB, touched
+before = rss()
+del x
+print(fixed, (before - rss()) >> 20)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+                    reason="glibc's malloc thresholds")
+def test_steady_cpu_heap_keeps_freed_memory_for_the_next_step() -> None:
+    """With glibc's defaults a freed 20 MiB tensor goes back to the system (the next step pages
+    it in again); with the thresholds fixed the process keeps it."""
+    def returned(mode: str) -> tuple[str, int]:
+        out = subprocess.run([sys.executable, "-c", _RSS_AFTER_FREE, mode], capture_output=True, text=True,
+                             check=True).stdout.split()
+        return out[0], int(out[1])
+
+    assert returned("default")[1] >= 19
+    assert returned("fixed") == ("True", 0)
