@@ -4,7 +4,9 @@ Memory is counted per storage: a view op allocates nothing and reads its base's 
 views are not scheduled at all; code generation re-derives them from their base wherever
 they are needed. Every op that allocates heads a group; getitems of a multi-output op and
 chains of cheap forward pointwise ops that read only that group (and sources) join it, so a
-transformer block is a few dozen schedulable nodes rather than hundreds.
+transformer block is a few dozen schedulable nodes rather than hundreds. A pointwise op on a
+tensor the backward reads stays a node of its own: grouped, remaking its output would remake
+the group's head too (GELU's output remade by re-running the matmul before it).
 """
 
 from __future__ import annotations
@@ -115,6 +117,8 @@ def build_graph(joint: JointGraph, name: str = "", replay_rng: bool = True) -> R
             primal_index += 1
 
     # 1. Groups: one per allocating op; getitems join their op's group.
+    saved = {storages.of(a) for node in gm.graph.nodes
+             if node.op == "call_function" and is_backward(node) for a in _tensor_inputs(node)}
     group_of: dict[str, _Group] = {}
     groups: list[_Group] = []
     for node in gm.graph.nodes:
@@ -129,7 +133,11 @@ def build_graph(joint: JointGraph, name: str = "", replay_rng: bool = True) -> R
         # Only forward chains are grouped: a backward chain's inputs (gradients) usually die
         # inside it, which a group's workspace, charged on top of its inputs, would overstate.
         # Nor does anything join a random op: what follows a draw is recomputed without one.
-        if _is_pointwise(node) and not is_random(node) and len(producers) == 1 and not is_backward(node):
+        # Nor an op on a tensor the backward reads: that tensor is kept or remade anyway, and on
+        # its own the op's output can be dropped and remade for the op alone (a GELU after a
+        # linear layer: the GELU, not the matmul).
+        if (_is_pointwise(node) and not is_random(node) and len(producers) == 1 and not is_backward(node)
+                and not any(storages.of(a) in saved for a in _tensor_inputs(node))):
             (group,) = producers
             if not is_backward(group.head) and not any(is_random(n) for n in group.ops):
                 group.ops.append(node)

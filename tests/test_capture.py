@@ -204,3 +204,18 @@ def test_dropout_output_is_recomputed_without_a_draw(net: Net) -> None:
         applied = [n for n in readers if not n.backward]
         assert len(applied) == 1 and not applied[0].rng and len(applied[0].inputs) == 2
         assert any(n.backward for n in readers)  # the dropout's backward reads the same mask
+
+
+def test_pointwise_op_on_a_saved_tensor_is_its_own_node(net: Net) -> None:
+    """fc's output is kept for GELU's backward; GELU on it is a node of its own, so a planner
+    that drops GELU's output remakes it with the GELU alone, not with the matmul too. ReLU after
+    BatchNorm reads what nothing else reads: it stays in BatchNorm's node."""
+    graph = rkgraph.capture(net, torch.randn(32, 8))
+    gelus = [n for n in graph.forward_nodes if n.op == "aten.gelu.default"]
+    assert len(gelus) == 4
+    for gelu in gelus:
+        (x,) = [d for d in gelu.inputs if not graph.is_source(d)]
+        assert graph.node(graph.data[x].producer).op == "aten.addmm.default"
+        assert any(x in n.inputs for n in graph.backward_nodes)
+    (bn,) = [n for n in graph.forward_nodes if n.op.startswith("aten._native_batch_norm")]
+    assert "relu" in bn.fx_nodes
