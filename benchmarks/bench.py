@@ -89,13 +89,15 @@ def aot_eager_with_budget(knob: float) -> Callable[..., object]:
 
 
 def round_robin(steps: list[Callable[[], object]], repeats: int) -> list[float]:
-    """Median time of each step, the steps run in turn (a b c a b c ...) after one warm-up
-    each: methods compared at a budget share the same moments of a noisy machine."""
+    """Median time of each step, the steps run in turn after one warm-up each, the order rotated
+    each round (a b c, b c a, c a b, ...): methods compared at a budget share the same moments of
+    a noisy machine, and each runs after each other as often (on CPU the step before shapes the
+    heap a step finds; see rockplan.steady_cpu_heap)."""
     times: list[list[float]] = [[] for _ in steps]
     for i in range(repeats + 1):
-        for k, fn in enumerate(steps):
+        for k in (*range(i % len(steps), len(steps)), *range(i % len(steps))):
             start = time.perf_counter()
-            fn()
+            steps[k]()
             if i:
                 times[k].append(time.perf_counter() - start)
     medians = [statistics.median(t) for t in times]
