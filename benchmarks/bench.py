@@ -276,11 +276,12 @@ def main(argv: list[str] | None = None) -> None:
         solvers.insert(0, "ilp")
     cpu = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu
-    heap = "CPU heap: glibc's adaptive thresholds"
-    if not torch.cuda.is_available() and not args.default_heap and steady_cpu_heap():
-        heap = "CPU heap: glibc's malloc thresholds fixed (mmap 32 MiB, no trim; `steady_cpu_heap`)"
-    elif torch.cuda.is_available():
+    if torch.cuda.is_available():
         heap = "CUDA caching allocator"
+    elif not args.default_heap and steady_cpu_heap():
+        heap = "CPU heap: glibc's malloc thresholds fixed (mmap 32 MiB, no trim; `steady_cpu_heap`)"
+    else:
+        heap = "CPU heap: glibc's adaptive thresholds"
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows: list[Row] = []
