@@ -34,6 +34,7 @@ import numpy as np
 
 from rkgraph.graph import RematGraph
 from solvers.schedule import Schedule
+from solvers.simulate import schedule_from_computes
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ class CheckmateMilp:
     def __init__(self, graph: RematGraph, unit: int, budget_units: int | None) -> None:
         self.graph = graph
         self.unit = unit
+        self.budget_units = budget_units
         n = len(graph.nodes)
         nf = len(graph.forward_nodes)
         self.n, self.nf = n, nf
@@ -254,9 +256,20 @@ class CheckmateMilp:
         costs = np.array([self.graph.nodes[i].time for _, i in self.R], dtype=np.float64)
         self.highs.addRow(floor * (1 - 1e-9), math.inf, len(cols), cols, costs)
 
-    def warm_start(self, stages: list[list[int]], alive_at_stage_start: list[set[str]]) -> bool:
+    def warm_start(self, computes: Sequence[str]) -> bool:
         """Hand HiGHS a starting point: R and S of a known schedule (HiGHS completes F and U
-        with an LP). Returns whether HiGHS accepted it."""
+        with an LP), its compute sequence put in stage form (`stages_of`). Returns whether
+        HiGHS accepted it (False when the sequence has no stage form, or that form does not
+        fit: putting recomputations in index order can raise the peak)."""
+        graph = self.graph
+        stages = stages_of(graph, computes)
+        if stages is None:
+            return False
+        staged = schedule_from_computes(graph, [graph.nodes[i].name for stage in stages for i in stage],
+                                        sum(map(len, stages[:self.nf])), solver="warm start")
+        if self.budget_units is not None and staged.predicted_peak > self.budget_units * self.unit:
+            return False
+        alive = alive_at_stage_starts(graph, staged, stages)
         index, value = [], []
         chosen = {(t, i) for t, stage in enumerate(stages) for i in stage}
         for key, col in self.R.items():
@@ -264,7 +277,7 @@ class CheckmateMilp:
             value.append(1.0 if key in chosen else 0.0)
         for (t, d), col in self.S.items():
             index.append(col)
-            value.append(max(self.col_lower[col], 1.0 if d in alive_at_stage_start[t] else 0.0))
+            value.append(max(self.col_lower[col], 1.0 if d in alive[t] else 0.0))
         status = self.highs.setSolution(len(index), np.array(index, dtype=np.int32),
                                         np.array(value, dtype=np.float64))
         return status == highspy.HighsStatus.kOk
@@ -295,17 +308,20 @@ def _finite(v: float) -> float | None:
 
 
 def stages_of(graph: RematGraph, computes: Sequence[str]) -> list[list[int]] | None:
-    """Split a compute sequence into frontier-advancing stages, or None when it is not one
-    (a node first computed out of graph order, or recomputations not in index order)."""
+    """Split a compute sequence into frontier-advancing stages: stage t ends with node t's
+    first computation, after the recomputations run since node t-1's. Those are put in index
+    order (a topological order; the MILP's), once each: DTR recomputes on demand, in the order
+    an op asks for its inputs, and its schedules must still warm-start the MILP. None when a
+    node is first computed out of graph order or a random node is recomputed."""
     stages: list[list[int]] = []
-    current: list[int] = []
+    current: set[int] = set()
     for name in computes:
         i = graph.index[name]
         if i == len(stages):
-            stages.append([*current, i])
-            current = []
-        elif i < len(stages) and (not current or current[-1] < i) and not graph.nodes[i].random:
-            current.append(i)
+            stages.append([*sorted(current), i])
+            current = set()
+        elif i < len(stages) and not graph.nodes[i].random:
+            current.add(i)
         else:
             return None
     return stages if len(stages) == len(graph.nodes) and not current else None

@@ -25,10 +25,10 @@ from solvers.bounds import budget_bounds, format_bytes, memory_lower_bound, time
 from solvers.candidates import heuristic_candidates
 from solvers.greedy_checkpoints import solve_greedy_checkpoints
 from solvers.ilp import memory_unit, solve_ilp
-from solvers.ilp_model import CheckmateMilp, alive_at_stage_starts, stages_of
+from solvers.ilp_model import CheckmateMilp
 from solvers.rotor import BlockOption, build_chain, chain_blocks, measure, schedule_chain, store_all_option
 from solvers.schedule import Schedule
-from solvers.simulate import InfeasibleBudget, schedule_from_computes
+from solvers.simulate import InfeasibleBudget
 
 log = logging.getLogger(__name__)
 
@@ -97,11 +97,7 @@ def block_options(sub: RematGraph, time_limit: float) -> tuple[list[BlockOption]
             fitting = [o for o in options if o.kept <= kept and max(o.forward_peak, o.backward_peak) <= peak]
             if fitting:
                 start = min(fitting, key=lambda o: o.forward_time + o.backward_time)
-                computes = [*start.forward, *start.backward]
-                stages = stages_of(sub, computes)
-                if stages is not None:
-                    warm = schedule_from_computes(sub, computes, len(start.forward), solver=start.source)
-                    model.warm_start(stages, alive_at_stage_starts(sub, warm, stages))
+                model.warm_start([*start.forward, *start.backward])
             result = model.solve(min(remaining, time_limit / len(PEAK_FRACTIONS) / len(KEPT_FRACTIONS)),
                                  BLOCK_GAP)
             solves += 1
