@@ -27,7 +27,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -56,10 +56,15 @@ class Row:
     budget: int
     method: str
     peak: int | None = None  # measured bytes
-    time_ratio: float | None = None  # median step time / median eager step time
+    rounds: list[float] = field(default_factory=list)  # per round: step time / eager's in that round
     predicted_overhead: float | None = None
     plan_time: float | None = None
     note: str = ""
+
+    @property
+    def time_ratio(self) -> float | None:
+        """Median over rounds of step time / eager's."""
+        return statistics.median(self.rounds) if self.rounds else None
 
 
 class _Checkpointed(torch.nn.Module):
@@ -88,11 +93,11 @@ def aot_eager_with_budget(knob: float) -> Callable[..., object]:
     return backend
 
 
-def round_robin(steps: list[Callable[[], object]], repeats: int) -> list[float]:
-    """Median time of each step, the steps run in turn after one warm-up each, the order rotated
-    each round (a b c, b c a, c a b, ...): methods compared at a budget share the same moments of
-    a noisy machine, and each runs after each other as often (on CPU the step before shapes the
-    heap a step finds; see rockplan.steady_cpu_heap)."""
+def round_robin(steps: list[Callable[[], object]], repeats: int) -> list[list[float]]:
+    """Each step's times, one per round, the steps run in turn after one warm-up each, the order
+    rotated each round (a b c, b c a, c a b, ...): methods compared at a budget share the same
+    moments of a noisy machine, and each runs after each other as often (on CPU the step before
+    shapes the heap a step finds; see rockplan.steady_cpu_heap)."""
     times: list[list[float]] = [[] for _ in steps]
     for i in range(repeats + 1):
         for k in (*range(i % len(steps), len(steps)), *range(i % len(steps))):
@@ -100,15 +105,23 @@ def round_robin(steps: list[Callable[[], object]], repeats: int) -> list[float]:
             steps[k]()
             if i:
                 times[k].append(time.perf_counter() - start)
-    medians = [statistics.median(t) for t in times]
-    logging.info("medians (ms): %s", " ".join(f"{1e3 * m:.1f}" for m in medians))
-    return medians
+    logging.info("medians (ms): %s", " ".join(f"{1e3 * statistics.median(t):.1f}" for t in times))
+    return times
 
 
-def ratio_to_first(steps: list[Callable[[], object]], repeats: int) -> list[float]:
-    """Each step's median time over the first's (eager's), measured round robin."""
-    medians = round_robin(steps, repeats)
-    return [m / medians[0] for m in medians[1:]]
+def ratios_to_first(steps: list[Callable[[], object]], repeats: int) -> list[list[float]]:
+    """Per round, each step's time over the first's (eager's) in that round, measured round
+    robin: a ratio within one round cancels the machine's slower and faster spells."""
+    times = round_robin(steps, repeats)
+    return [[t / e for t, e in zip(ts, times[0])] for ts in times[1:]]
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    """(first quartile, median, third quartile)."""
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
 
 
 def bench_model(name: str, size: str, ratios: list[float], repeats: int, solvers: list[str]) -> list[Row]:
@@ -137,7 +150,7 @@ def bench_model(name: str, size: str, ratios: list[float], repeats: int, solvers
     # Every plan of this model on the probe's measured costs: a profile measured anew per row
     # moved predictions by up to 10 points, so rows were not comparable.
     times = probe.profile_times()
-    rows = [Row(name, 1.0, reference, "eager (store all)", peak(eager), 1.0)]
+    rows = [Row(name, 1.0, reference, "eager (store all)", peak(eager), [1.0])]
     logging.info("%s: eager peak %s, predicted store-all %s", name, format_bytes(rows[0].peak), format_bytes(reference))
 
     blocks = checkpoint_every_block(model, [f"model.{c}".rstrip(".") for c in CHECKPOINT_CONTAINERS[name]])
@@ -189,9 +202,9 @@ def bench_model(name: str, size: str, ratios: list[float], repeats: int, solvers
             knob_row.peak, knob_row.plan_time, knob_row.note = fit[0].peak, fit[0].plan_time, fit[0].method.split()[-1]
             planned.append((knob_row, fit[1]))
         # Every method that fits this budget, and eager, timed in turn.
-        for (row, _), time_ratio in zip(planned, ratio_to_first([step(eager), *(step(m) for _, m in planned)],
-                                                                repeats)):
-            row.time_ratio = time_ratio
+        for (row, _), rounds in zip(planned, ratios_to_first([step(eager), *(step(m) for _, m in planned)],
+                                                             repeats)):
+            row.rounds = rounds
         rows.append(knob_row)
         rows.append(checkpointed)
     return rows
@@ -207,8 +220,9 @@ def markdown(rows: list[Row], device: str, args: argparse.Namespace, heap: str) 
         f"{heap}. Budget = ratio of "
         "the no-rematerialization step peak predicted from the graph (kernels' scratch included); peaks "
         "measured by rockplan's tracker (the allocator: CUDA's statistics, or the CPU allocator's events "
-        "recorded by torch.profiler) and include the loss; time = median step time / eager's, eager and the "
-        "methods that fit a budget running their steps in turn. "
+        "recorded by torch.profiler) and include the loss; time vs eager = median over rounds of the step "
+        "time over eager's in the same round (quartiles in brackets), eager and the methods that fit a "
+        "budget running their steps in turn. "
         "The proven floor (rockplan rows) is `solvers.bounds.time_lower_bound` on the planned graph: no "
         "schedule within the budget has a smaller predicted overhead.",
         "",
@@ -221,11 +235,45 @@ def markdown(rows: list[Row], device: str, args: argparse.Namespace, heap: str) 
         lines.append(
             f"| {r.model} | {r.ratio:.2f} ({format_bytes(r.budget)}) | {r.method} | "
             f"{format_bytes(r.peak) if r.peak else '-'} | {fraction} | "
-            f"{f'{r.time_ratio:.2f}' if r.time_ratio else '-'} | "
+            f"{_spread(r.rounds)} | "
             f"{f'{r.predicted_overhead:+.1%}' if r.predicted_overhead is not None else '-'} | "
             f"{f'{r.plan_time:.1f} s' if r.plan_time is not None else '-'} | {r.note} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, *against_others(rows)]) + "\n"
+
+
+def _spread(rounds: list[float]) -> str:
+    if not rounds:
+        return "-"
+    q1, median, q3 = quartiles(rounds)
+    return f"{median:.2f}" if q1 == q3 else f"{median:.2f} ({q1:.2f}-{q3:.2f})"
+
+
+def against_others(rows: list[Row]) -> list[str]:
+    """The targets' comparison: at each budget, the first rockplan row (the default solver)
+    against every other method timed there, paired per round."""
+    lines = [
+        "",
+        "### rockplan against each method, paired per round",
+        "",
+        "Per round, the default solver's step time over the method's (both run in the same round); "
+        "median and quartiles over the rounds. \"faster\" or \"slower\" when both quartiles are on "
+        "one side of 1, else \"within noise\". The target asks rockplan to be at or below every "
+        "method whose measured peak is at or below its own.",
+        "",
+        "| model | budget | method | its peak / rockplan's | rockplan / method | rockplan is |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ours = next((o for o in rows if o.model == r.model and o.ratio == r.ratio and o.rounds
+                     and o.method.startswith("rockplan")), None)
+        if ours is None or r is ours or not r.rounds or r.method.startswith("eager"):
+            continue
+        q1, median, q3 = quartiles([a / b for a, b in zip(ours.rounds, r.rounds)])
+        verdict = "faster" if q3 < 1 else "slower" if q1 > 1 else "within noise"
+        lines.append(f"| {r.model} | {r.ratio:.2f} | {r.method} | {r.peak / ours.peak:.2f} | "
+                     f"{median:.2f} ({q1:.2f}-{q3:.2f}) | {verdict} |")
+    return lines
 
 
 def pareto_plot(rows: list[Row], path: Path) -> None:
@@ -264,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size", default="default", choices=["tiny", "default"])
     parser.add_argument("--ratios", default="1.0,0.7,0.5,0.35,0.25")
     parser.add_argument("--solvers", default="", help="comma list; default: rockmate (or ilp), rotor, dtr")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--out", default="docs/benchmarks-models.md")
     parser.add_argument("--default-heap", action="store_true",
                         help="leave glibc's malloc thresholds adaptive (see steady_cpu_heap)")

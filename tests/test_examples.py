@@ -37,17 +37,23 @@ def test_example_trains_within_its_budget(script: str, args: list[str]) -> None:
 
 def test_bench_measures_every_method_that_fits_within_its_budget(tmp_path: Path) -> None:
     """benchmarks/bench.py end to end on the tiny GPT at two budgets: every row that ran has a
-    measured peak within its budget and a time ratio to eager."""
+    measured peak within its budget and a time ratio to eager, and rockplan is compared with
+    every other method timed at its budget."""
     out = tmp_path / "bench.md"
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--models", "gpt", "--size", "tiny",
-                           "--ratios", "1.0,0.7", "--repeats", "1", "--solvers", "dtr,rotor", "--out", str(out)],
+                           "--ratios", "1.0,0.7", "--repeats", "2", "--solvers", "dtr,rotor", "--out", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
-    rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| gpt")]
+    table, comparisons = out.read_text().split("### rockplan against each method")
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| gpt")]
     measured = [r for r in rows if r[2] != "eager (store all)" and r[3] != "-"]
     assert len(measured) >= 4, out.read_text()
     for r in measured:
-        assert float(r[4]) <= 1.0 and float(r[5]) > 0, r  # peak / budget, time vs eager
+        assert float(r[4]) <= 1.0 and float(r[5].split()[0]) > 0, r  # peak / budget, time vs eager (quartiles)
+    paired = [line.split(" | ") for line in comparisons.splitlines() if line.startswith("| gpt")]
+    # Every timed method but the first rockplan row (dtr here) and eager is compared with it.
+    assert len(paired) == len(measured) - 2, comparisons
+    assert all(p[5].rstrip(" |") in ("faster", "slower", "within noise") for p in paired), comparisons
     # torch.compile's knob recomputes at 0.7 (each knob's copy keeps its own compiled graph).
     assert any(r[2] == "torch.compile activation_memory_budget" and r[1].startswith("0.70") and r[3] != "-"
                for r in rows), out.read_text()
