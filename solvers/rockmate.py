@@ -5,7 +5,9 @@ So each distinct block (its forward nodes and the backward nodes that differenti
 `solvers.rotor.block_subgraph`) is solved with Checkmate's MILP for a small grid of budgets on
 its peak and on what its forward keeps for its backward. Each solution is an option: a forward
 sequence, a backward sequence (with its recomputations) and the memory and time of both.
-Rotor's dynamic program then picks one option per block and the checkpointing between blocks.
+Rotor's dynamic program then picks one option per block and the checkpointing between blocks. The
+heuristics' schedules that fit (DTR's, ...) are cut per block into more options: they treat
+identical layers differently, and the program can mix their treatments.
 
 The result is replayed by the simulator like every schedule. When the graph has no chain (one
 block), or is small enough for the flat MILP to help (FLAT_ILP_MAX_NODES), and nothing found is
@@ -26,7 +28,15 @@ from solvers.candidates import heuristic_candidates
 from solvers.greedy_checkpoints import solve_greedy_checkpoints
 from solvers.ilp import memory_unit, solve_ilp
 from solvers.ilp_model import CheckmateMilp
-from solvers.rotor import BlockOption, build_chain, chain_blocks, measure, schedule_chain, store_all_option
+from solvers.rotor import (
+    BlockOption,
+    build_chain,
+    chain_blocks,
+    measure,
+    schedule_chain,
+    store_all_option,
+    undominated,
+)
 from solvers.schedule import Schedule
 from solvers.simulate import InfeasibleBudget
 
@@ -43,15 +53,6 @@ BLOCK_GAP = 0.02  # relative MIP gap of a block solve: options need not be exact
 FLAT_ILP_MAX_NODES = 200
 FLAT_ILP_MIN_LOOK = 3.0  # seconds
 CHAIN_MIN_TIME = 0.5  # seconds
-
-
-def _dominated(option: BlockOption, others: list[BlockOption]) -> bool:
-    def key(o: BlockOption) -> tuple[float, int, int, int]:
-        return (o.forward_time + o.backward_time, o.kept, o.forward_peak, o.backward_peak)
-
-    mine = key(option)
-    return any(o is not option and all(a <= b for a, b in zip(key(o), mine)) and key(o) != mine
-               for o in others)
 
 
 def _option_of(sub: RematGraph, schedule: Schedule, source: str) -> BlockOption:
@@ -106,9 +107,7 @@ def block_options(sub: RematGraph, time_limit: float) -> tuple[list[BlockOption]
             computes = [sub.nodes[i].name for stage in result.stages for i in stage]
             options.append(measure(sub, computes, sum(map(len, result.stages[:nf])),
                                    f"ilp peak {format_bytes(peak)} kept {format_bytes(kept)}"))
-    unique = list({(o.forward_time + o.backward_time, o.kept, o.forward_peak, o.backward_peak): o
-                   for o in options}.values())
-    return [o for o in unique if not _dominated(o, unique)], solves
+    return undominated(options), solves
 
 
 def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slots: int = 500,
@@ -153,7 +152,8 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
                 solves += count
                 return found
 
-            chain = build_chain(graph, options)
+            # The heuristics' schedules, cut per block, are options too (see build_chain).
+            chain = build_chain(graph, options, schedules=candidates)
             chained = schedule_chain(graph, chain, budget, slots, "rockmate")
             rotor = schedule_chain(graph, build_chain(graph), budget, slots, "rotor")
             candidates += [s for s in (chained, rotor) if s is not None]

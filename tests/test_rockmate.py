@@ -125,6 +125,39 @@ def test_blocks_differing_only_in_measured_times_are_solved_once() -> None:
         assert option.forward_time == pytest.approx(sum(graph.node(n).time for n in option.forward))
 
 
+def test_a_gradient_a_block_reads_last_counts_only_until_that_read() -> None:
+    # Block 0's backward: b1 reads g2.x1 (40, made by block 1) and x0 (10), makes g1.x0 (10)
+    # and gw1 (30); g2.x1 dies; b0 makes gw0 (30). Peak at b1: 10 + 40 + 40 = 90. The chain
+    # used to charge the 40 through the whole backward: 40 + 70 (b0's 10 + 30 + 30) = 110.
+    graph = training_graph([10, 10, 10, 10], [1.0] * 4, block_size=2, grad_sizes=[10, 10, 40, 10],
+                           param_grad_size=30)
+    graph.backward_blocks = backward_blocks(graph)
+    first = build_chain(graph).blocks[0]
+    assert (first.grad, first.grad_through) == (40, 0)
+    assert first.options[0].backward_peak == 90
+
+
+def test_gradients_passing_through_a_block_stay_charged() -> None:
+    for seed in range(20):
+        graph = random_training_graph(seed, max_forward=8)
+        chain = build_chain(graph)
+        for block in chain.blocks:
+            assert 0 <= block.grad_through <= block.grad
+
+
+def test_heuristic_schedules_cut_per_block_are_options_of_the_chain() -> None:
+    graph = uniform_chain(6)
+    budget = int(0.7 * solve_store_all(graph).predicted_peak)
+    dtr = solve_dtr(graph, budget)
+    rotor = schedule_chain(graph, build_chain(graph), budget, 500, "rotor")
+    chain = build_chain(graph, schedules=[dtr])
+    assert any(o.source == "cut from dtr" for block in chain.blocks for o in block.options)
+    combined = schedule_chain(graph, chain, budget, 500, "rotor")
+    # Rotor's whole-block choices alone: 61 s; with DTR's per-block treatments, DTR's 60 s.
+    assert rotor.predicted_time == 61 and combined.predicted_time == dtr.predicted_time == 60
+    simulate(graph, combined, budget)
+
+
 def test_search_stops_at_the_proven_floor() -> None:
     graph = uniform_chain(6)
     budget = int(0.7 * solve_store_all(graph).predicted_peak)
