@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch._dynamo.backends.debugging import aot_eager
 from torch.utils.checkpoint import checkpoint
@@ -287,14 +288,16 @@ def pareto_plot(rows: list[Row], path: Path) -> None:
     colour = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}  # one colour per method
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
     for ax, name in zip(axes[0], models):
-        by_method: dict[str, list[tuple[int, float]]] = {}
+        by_method: dict[str, dict[int, tuple[float, float, float]]] = {}
         for r in rows:
-            if r.model == name and r.peak and r.time_ratio:
-                by_method.setdefault(r.method.split(" budget=")[0], []).append((r.peak, r.time_ratio))
+            if r.model == name and r.peak and r.rounds:
+                by_method.setdefault(r.method.split(" budget=")[0], {})[r.peak] = quartiles(r.rounds)
         for method, points in sorted(by_method.items()):
-            points = sorted(set(points))
-            ax.plot([p / 2**20 for p, _ in points], [t for _, t in points], marker="o", label=method,
-                    color=colour[method])
+            peaks = sorted(points)
+            low, mid, high = (np.array([points[p][i] for p in peaks]) for i in range(3))
+            # The median, with a bar from the first to the third quartile over the rounds.
+            ax.errorbar([p / 2**20 for p in peaks], mid, yerr=[mid - low, high - mid], marker="o", capsize=2,
+                        label=method, color=colour[method])
         ax.set_title(name)
         ax.set_xlabel("measured step peak (MiB)")
         ax.set_ylabel("step time / eager")
