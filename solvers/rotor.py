@@ -11,7 +11,7 @@ Rotor's only option per block is "store everything inside the block"; Rockmate
 (solvers/rockmate.py) feeds the same program several options per block solved by the ILP.
 
 The chain is a model: memory the program does not see (values read across several blocks,
-gradient pieces of uneven size, held tangents) only makes it approximate. So the plan is turned
+gradient pieces passing through blocks, held tangents) only makes it approximate. So the plan is turned
 into one compute sequence, frees are placed by `free_at_last_use` and the simulator measures
 it; when the real peak overshoots, the plan is redone for a smaller memory, and the best plan
 that fits is kept.
