@@ -19,7 +19,9 @@ Adaptations to our graph (multi-output nodes, data nodes, workspace):
     it costs time and double-counts memory, so no optimal schedule does it;
   - forward outputs must be alive at the end of stage nf-1 (not freed there) but need not be
     kept into stage nf; the boundary itself (end of forward + tangents) is a peak candidate;
-  - backward outputs are S[n,d] = 1 and never freed in the last stage.
+  - backward outputs are S[t,d] = 1 from the stage after their producer's on: once made, a
+    gradient stays until the backward returns it (the simulator's rule); a node remade for
+    another output may rewrite it, counted twice.
 """
 
 from __future__ import annotations
@@ -154,8 +156,10 @@ class CheckmateMilp:
             for d in useful:
                 held = d in backward_outputs or d in user_outputs
                 if d in producer and producer[d] < t and (t < n or held):
-                    # the user holds the outputs returned to them until the step ends
-                    fixed = t == n or (t >= nf and d in user_outputs)
+                    # The user holds the outputs returned to them until the step ends; a
+                    # gradient, once made, stays until the backward returns it (as in the
+                    # simulator; dropping one and making it again undercounted memory).
+                    fixed = t == n or (t >= nf and d in user_outputs) or d in backward_outputs
                     self.S[t, d] = b.var(1 if fixed else 0, 1, 0.0, True)
         # Tangents are held by autograd's call of our backward until it returns.
         for d in tangents:
@@ -188,7 +192,9 @@ class CheckmateMilp:
                             cols.append(c)
                             vals.append(-1.0)
                     b.row(cols, vals, -math.inf, 0.0)
-                if made is not None and kept is not None:
+                if made is not None and kept is not None and d not in backward_outputs:
+                    # (A node remade for another output may rewrite a held gradient: its
+                    # output is then counted twice, which only errs on the safe side.)
                     b.row([made, kept], [1.0, 1.0], -math.inf, 1.0)
                 if t == nf - 1 and d in forward_outputs:  # alive at the end of the forward phase
                     present = [c for c in (made, kept) if c is not None]

@@ -268,6 +268,22 @@ def test_ilp_is_valid_and_never_worse_than_a_baseline(seed: int, fraction: float
         assert floor <= other.predicted_time + 1e-9 and s.predicted_time <= other.predicted_time + 1e-9, solve.__name__
 
 
+@pytest.mark.parametrize(("seed", "fraction"), [(24, 0.5), (29, 0.1), (34, 0.5)])
+def test_the_milp_keeps_a_gradient_once_made(seed: int, fraction: float) -> None:
+    # The MILP could drop a parameter gradient and make it again later, one byte less in its
+    # model than in the simulator, which keeps gradients once made: its schedule was refused
+    # (here: 1 byte over) and a baseline returned instead.
+    graph = random_training_graph(seed)
+    low, high = budget_bounds(graph).lower, solve_store_all(graph).predicted_peak
+    budget = int(low + fraction * (high - low))
+    result = CheckmateMilp(graph, memory_unit(budget), budget // memory_unit(budget)).solve(10, 0)
+    computes = [graph.nodes[i].name for stage in result.stages for i in stage]
+    forward_count = sum(map(len, result.stages[:len(graph.forward_nodes)]))
+    schedule = schedule_from_computes(graph, computes, forward_count, solver="ilp", budget=budget)
+    assert schedule.predicted_peak <= budget
+    assert schedule.predicted_time == pytest.approx(result.objective)
+
+
 def test_a_dtr_schedule_recomputing_out_of_index_order_warm_starts_the_milp() -> None:
     # DTR recomputes on demand, in the order an op asks for its inputs; the MILP's stages run
     # recomputations in index order. Before the stage form sorted them, such schedules (DTR's
