@@ -31,7 +31,7 @@ def _steps(graph: RematGraph, schedule: Schedule) -> tuple[list[int], list[float
             ys.append(float(memory))
         else:
             ys[-1] = max(ys[-1], float(memory))
-    boundary = sum(op.kind == "compute" for op in schedule.forward_ops)
+    boundary = schedule.forward_count
     return xs, ys, boundary
 
 

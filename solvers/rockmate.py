@@ -56,9 +56,7 @@ CHAIN_MIN_TIME = 0.5  # seconds
 
 
 def _option_of(sub: RematGraph, schedule: Schedule, source: str) -> BlockOption:
-    computes = schedule.computes()
-    forward_count = sum(op.kind == "compute" for op in schedule.forward_ops)
-    return measure(sub, computes, forward_count, source)
+    return measure(sub, schedule.computes(), schedule.forward_count, source)
 
 
 def block_options(sub: RematGraph, time_limit: float) -> tuple[list[BlockOption], int]:

@@ -197,20 +197,19 @@ def undominated(options: Sequence[BlockOption]) -> list[BlockOption]:
             if not any(p is not o and all(a <= b for a, b in zip(key(p), key(o))) for p in unique)]
 
 
-def _cut(sub: RematGraph, schedule: Schedule, inside: list[str], rename: dict[str, str]) -> BlockOption | None:
-    """The part of a whole-graph schedule that runs one block's nodes, as an option of the
-    identical block `sub` (its names by `rename`); None when that part is not a schedule of the
-    block on its own (it relied on values another block's part recomputed)."""
-    computes = schedule.computes()
-    forward_count = sum(op.kind == "compute" for op in schedule.forward_ops)
-    members = set(inside)
-    forward = [rename[n] for n in computes[:forward_count] if n in members]
-    backward = [rename[n] for n in computes[forward_count:] if n in members]
+def _cut(sub: RematGraph, computes: list[str], forward_count: int, rename: dict[str, str],
+         source: str) -> BlockOption | None:
+    """The part of a whole-graph compute sequence (its first `forward_count` in the forward)
+    that runs one block's nodes (the keys of `rename`), as an option of the identical block
+    `sub` (their names there); None when that part is not a schedule of the block on its own
+    (it relied on values another block's part recomputed)."""
+    forward = [rename[n] for n in computes[:forward_count] if n in rename]
+    backward = [rename[n] for n in computes[forward_count:] if n in rename]
     try:
         schedule_from_computes(sub, [*forward, *backward], len(forward), solver="cut")  # the referee
     except InvalidSchedule:
         return None
-    return measure(sub, [*forward, *backward], len(forward), f"cut from {schedule.solver}")
+    return measure(sub, [*forward, *backward], len(forward), source)
 
 
 def _renamed(graph: RematGraph, option: BlockOption, rename: dict[str, str], entering: set[str]) -> BlockOption:
@@ -269,13 +268,17 @@ def build_chain(graph: RematGraph, make_options: OptionMaker = lambda sub: [stor
     subs = [block_subgraph(graph, forward, backward, unaccounted, frozenset(incoming[j]))
             for j, (forward, backward) in enumerate(zip(forward_blocks, backward_of))]
     signatures = [subgraph_signature(sub) for sub in subs]
-    first = {signature: subs[j] for j, signature in reversed(list(enumerate(signatures)))}
+    first: dict[str, RematGraph] = {}
+    for sub, signature in zip(subs, signatures):
+        first.setdefault(signature, sub)
+    renames = [(signature, {n.name: f.name for n, f in zip(sub.nodes, first[signature].nodes)})
+               for sub, signature in zip(subs, signatures) if sub.backward_nodes]  # (else: store-all only)
     cuts: dict[str, list[BlockOption]] = {signature: [] for signature in first}
     for schedule in schedules:
-        for sub, signature in zip(subs, signatures):
-            names = [n.name for n in sub.nodes]
-            cut = _cut(first[signature], schedule, names, dict(zip(names, (n.name for n in first[signature].nodes))))
-            if cut is not None and sub.backward_nodes:
+        computes, forward_count = schedule.computes(), schedule.forward_count
+        for signature, rename in renames:
+            cut = _cut(first[signature], computes, forward_count, rename, f"cut from {schedule.solver}")
+            if cut is not None:
                 cuts[signature].append(cut)
     blocks: list[ChainBlock] = []
     solved: dict[str, tuple[list[str], list[BlockOption]]] = {}

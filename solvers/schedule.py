@@ -59,6 +59,11 @@ class Schedule:
         """Compute node names in execution order (with repetitions for recomputations)."""
         return [op.name for op in self.ops if op.kind == "compute"]
 
+    @property
+    def forward_count(self) -> int:
+        """How many of `computes()` run in the forward phase."""
+        return sum(op.kind == "compute" for op in self.forward_ops)
+
     def alive_at_boundary(self, graph: RematGraph) -> list[str]:
         """Non-source data alive at the phase boundary, in order of their (last) computation.
 
