@@ -189,10 +189,46 @@ def build_graph(joint: JointGraph, name: str = "", replay_rng: bool = True) -> R
     n_fwd = joint.num_fwd_outputs
     # AOTAutograd lists the new values of mutated inputs first, then the user's outputs.
     user = storages_of(outputs[len(joint.mutated): n_fwd])
-    graph = RematGraph(nodes, data, storages_of(outputs[:n_fwd]), storages_of(outputs[n_fwd:]), name=name,
+    forward_outputs, gradients = storages_of(outputs[:n_fwd]), storages_of(outputs[n_fwd:])
+    # 4. Weight gradients as early as they can go where that frees more than it holds.
+    nodes = hoist_gradients(nodes, data, frozenset(gradients), frozenset(forward_outputs))
+    graph = RematGraph(nodes, data, forward_outputs, gradients, name=name,
                        user_outputs=tuple(d for d in user if data[d].kind not in SOURCE_KINDS))
     graph.validate()
     return graph
+
+
+def hoist_gradients(nodes: list[ComputeNode], data: dict[str, DataNode], gradients: frozenset[str],
+                    held: frozenset[str] = frozenset()) -> list[ComputeNode]:
+    """`nodes` in an order where each backward node that makes only gradients runs as soon as
+    its inputs exist, if it is then the last reader of inputs larger than its outputs.
+
+    AOTAutograd orders a linear layer's backward as autograd does: the input's gradient, then
+    the weight's. The weight's gradient is the last reader of the layer's input, so in that
+    order the input (GPT's GELU output, 6 MiB a layer) and the new input gradient are alive
+    together. Gradients are held to the step's end whenever they are made, so moving their op
+    earlier costs its outputs over the interval and frees the inputs it reads last as much
+    earlier: a move is taken only where that nets memory back (never for a bias gradient,
+    whose input the input gradient still reads). `held`: data never freed early (outputs)."""
+    readers: dict[str, list[str]] = {}
+    for n in nodes:
+        for d in dict.fromkeys(n.inputs):
+            readers.setdefault(d, []).append(n.name)
+    order = list(nodes)
+    backward_start = next((i for i, n in enumerate(nodes) if n.backward), len(nodes))
+    for node in [n for n in nodes if n.backward and n.outputs and all(d in gradients for d in n.outputs)]:
+        position = {m.name: i for i, m in enumerate(order)}
+        at = position[node.name]
+        producers = [position[data[d].producer] for d in node.inputs if data[d].producer is not None]
+        earliest = max(backward_start, 1 + max(producers, default=-1))
+        if earliest >= at:
+            continue
+        freed = sum(data[d].size for d in dict.fromkeys(node.inputs)
+                    if data[d].producer is not None and d not in held and d not in gradients
+                    and all(position[r] < earliest for r in readers[d] if r != node.name))
+        if freed > sum(data[d].size for d in node.outputs):
+            order.insert(earliest, order.pop(at))
+    return order
 
 
 def _group_dataflow(group: _Group, storages: StorageMap, escaping: set[str]):

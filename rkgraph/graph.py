@@ -2,7 +2,8 @@
 
 A `RematGraph` has compute nodes (one or more ATen ops, forward or backward) and data nodes
 (one tensor storage each). Compute nodes are listed in a valid topological order: the order
-PyTorch's own autograd would run them, which is the store-everything schedule.
+PyTorch's own autograd would run them, except weight gradients moved earlier where that frees
+memory (`rkgraph.build.hoist_gradients`); it is the store-everything schedule.
 
 Memory semantics, shared by the simulator and every solver:
 - Data with no producer (`DataNode.kind` in SOURCE_KINDS: parameters, buffers, inputs) is

@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils.flop_counter import flop_registry
 
-from rkgraph import linear_cross_entropy
+from rkgraph import dropout, linear_cross_entropy
 from rkgraph.capture import preserved_rng
 from rkgraph.graph import RematGraph
 
@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 # Scratch of our own ops, in bytes, from an fx node's shapes: what a measured profile would
 # find (GPT's fused head holds a chunk of logits inside: 9.2 MB, not seen by estimates otherwise).
 KNOWN_SCRATCH: dict[object, Callable[[fx.Node], int]] = {
+    torch.ops.rkgraph.apply_dropout_mask.default: dropout.scratch_bytes,
     torch.ops.rkgraph.linear_cross_entropy.default: linear_cross_entropy.scratch_bytes,
 }
 

@@ -154,12 +154,14 @@ def test_torch_budget_search_fits_the_budget(zoo_graphs: dict[str, RematGraph]) 
     assert schedule.extra["ratio"] in schedule.extra["probes"]
 
 
-@pytest.mark.parametrize(("name", "fraction"), [("gpt", 0.7), ("gpt", 0.5), ("unet", 0.7)])
+# Tiny GPT at 0.5 is below both families' lowest peaks since the estimates count the mask
+# application's scratch (a float copy of the mask, whole at this size; ATen's kernel has it too).
+@pytest.mark.parametrize(("name", "fraction"), [("gpt", 0.7), ("gpt", 0.6), ("unet", 0.7)])
 def test_saved_values_at_or_below_torch_budget(zoo_graphs: dict[str, RematGraph], name: str, fraction: float) -> None:
     """Same family as PyTorch's partitioner (the forward once, a saved set, the rest remade in
     the backward), but the memory of every step is bounded, in bytes, rather than a ratio of
-    the saved set's estimate: as fast or faster at the same budget (GPT at 0.5: +17.4%
-    against +25.4%, roofline costs)."""
+    the saved set's estimate: as fast or faster at the same budget (tiny GPT at 0.6: 2.31 ms
+    against 2.54 ms, roofline costs)."""
     graph = zoo_graphs[name]
     budget = int(fraction * solve_store_all(graph).predicted_peak)
     ours, theirs = solve_saved_values(graph, budget), solve_torch_budget(graph, budget)

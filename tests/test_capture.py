@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 import rkgraph
+import solvers
 from rkgraph.capture import CaptureError
 
 
@@ -219,3 +220,32 @@ def test_pointwise_op_on_a_saved_tensor_is_its_own_node(net: Net) -> None:
         assert any(x in n.inputs for n in graph.backward_nodes)
     (bn,) = [n for n in graph.forward_nodes if n.op.startswith("aten._native_batch_norm")]
     assert "relu" in bn.fx_nodes
+
+
+def test_weight_gradient_runs_before_the_input_gradient_when_that_frees_its_input(
+    net: Net, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Autograd makes a linear layer's input gradient, then its weight gradient, which reads
+    the layer's input last: both alive at once. Hoisted, weight gradients of `net`'s linear
+    layers run as soon as their inputs exist, the layer's input is freed before the input
+    gradient is made, and the store-all peak does not rise. A bias
+    gradient (`sum` of the output gradient, which the input gradient still reads) stays."""
+    x = torch.randn(256, 8)
+    hoisted = rkgraph.capture(net, x)
+    monkeypatch.setattr(rkgraph.build, "hoist_gradients", lambda nodes, *_: nodes)
+    autograd = rkgraph.capture(net, x)
+    new, old = ([n.name for n in graph.backward_nodes] for graph in (hoisted, autograd))
+    assert sorted(new) == sorted(old) and new != old
+    gradients = set(hoisted.backward_outputs)
+    moved = [n for n in hoisted.backward_nodes if new.index(n.name) < old.index(n.name) and set(n.outputs) <= gradients]
+    assert moved and all(n.op == "aten.mm.default" for n in moved)
+    assert not any(n.op == "aten.sum.dim_IntList" for n in moved)
+    for weight_gradient in moved:
+        # Before the move an input gradient read the same output gradient after it; now it
+        # runs first, and is the last reader of the activation it reads.
+        (activation,) = [d for d in weight_gradient.inputs if hoisted.data[d].producer and
+                         not hoisted.node(hoisted.data[d].producer).backward]
+        readers = [new.index(r) for r in hoisted.users[activation] if hoisted.node(r).backward]
+        assert max(readers) == new.index(weight_gradient.name)
+    peaks = [solvers.simulate(g, solvers.solve_store_all(g)).peak for g in (hoisted, autograd)]
+    assert peaks[0] <= peaks[1]

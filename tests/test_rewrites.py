@@ -13,7 +13,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import rkgraph
 from rkgraph.cross_entropy import fuse_cross_entropy_backward
-from rkgraph.dropout import split_dropout
+from rkgraph.dropout import SLICE_ELEMENTS, split_dropout
+from rkgraph.dropout import scratch_bytes as dropout_scratch_bytes
 from rkgraph.linear_cross_entropy import fuse_linear_cross_entropy, scratch_bytes
 from rkgraph.profile import AllocatorEvents
 from rockplan import zoo
@@ -51,6 +52,57 @@ def test_split_dropout_draws_what_native_dropout_draws(layout: str) -> None:
     assert torch.equal(split_mask, mask) and torch.equal(split_out, out) and torch.equal(split_state, state)
     assert split_out.stride() == out.stride() and split_mask.stride() == mask.stride()
     assert not mask.all() and mask.any()  # a real draw
+
+
+def _dropout_and_backward(x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    out, mask = aten.native_dropout.default(x, 0.3, True)
+    return out, mask, aten.native_dropout_backward.default(grad, mask, 1 / 0.7)
+
+
+_LARGE = {  # several slices of SLICE_ELEMENTS: by rows, and by rows within the first index
+    "rows": lambda: torch.randn(4, 6, 64, 256),
+    "within_rows": lambda: torch.randn(2, 700, 500, dtype=torch.float64),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(_LAYOUTS | _LARGE))
+def test_mask_application_is_native_dropout_backward(layout: str) -> None:
+    """Both of a graph's dropout applications (the split forward's, the backward's) become
+    `rkgraph.apply_dropout_mask` where it makes ATen's bits and strides; where ATen's output is
+    laid out otherwise (a transposed gradient: ATen's is contiguous) the op is left alone."""
+    x, grad = _LAYOUTS.get(layout, _LARGE.get(layout))(), _LAYOUTS.get(layout, _LARGE.get(layout))()
+    original, rewritten = (make_fx(_dropout_and_backward, tracing_mode="fake")(x, grad) for _ in range(2))
+    split_dropout(rewritten)
+    rewritten.recompile()
+    applied = rewritten.graph.find_nodes(op="call_function", target=torch.ops.rkgraph.apply_dropout_mask.default)
+    assert len(applied) == (1 if layout == "transposed" else 2)
+    results = []
+    for gm in (original, rewritten):
+        torch.manual_seed(5)
+        results.append(gm(x, grad))
+    for a, b in zip(*results):
+        assert a.stride() == b.stride()
+        bits = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bool: torch.uint8}[a.dtype]
+        assert torch.equal(a.view(bits), b.view(bits))
+
+
+def test_mask_application_holds_one_slice_of_scratch() -> None:
+    """ATen's CPU application makes a float copy of the whole mask (6 MiB at GPT's attention);
+    ours one slice of it, the bound an estimated profile counts."""
+    x = torch.randn(4, 6, 256, 256)
+    mask = torch.rand_like(x) < 0.9
+    gm = make_fx(lambda x, m: torch.ops.rkgraph.apply_dropout_mask(x, m, 1 / 0.9), tracing_mode="fake")(x, mask)
+    ours = torch.ops.rkgraph.apply_dropout_mask.default
+    node = next(n for n in gm.graph.nodes if n.target == ours)
+    scratch = {}
+    for name, op in (("aten", aten.native_dropout_backward.default), ("ours", ours)):
+        op(x, mask, 1 / 0.9)  # warm-up
+        with AllocatorEvents("cpu") as recorded:
+            out = op(x, mask, 1 / 0.9)  # noqa: F841 (held: the replay's net is the output)
+        peak, held = recorded.replay(0, None)
+        scratch[name] = peak - held
+    assert scratch["aten"] >= x.numel() * 4
+    assert scratch["ours"] <= dropout_scratch_bytes(node) == SLICE_ELEMENTS * 4
 
 
 def test_reduced_precision_dropout_is_not_split() -> None:

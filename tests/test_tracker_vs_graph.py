@@ -92,11 +92,16 @@ def test_gpt_matches_graph_without_dropout() -> None:
 
 
 @pytest.mark.parametrize(("name", "ratio", "corrected"), [("gpt", 1.137, 1.000), ("hf_gpt2", 1.134, 1.030)])
-def test_transformer_gap_is_eager_cpu_float_dropout_masks(name: str, ratio: float, corrected: float) -> None:
+def test_transformer_gap_is_eager_cpu_float_dropout_masks(
+    name: str, ratio: float, corrected: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Eager CPU dropout keeps float32 masks: counting the graph's bool masks at four bytes an
-    element brings the prediction to eager (exactly for gpt; hf_gpt2 keeps its GELU gap)."""
+    element brings the prediction to eager (exactly for gpt; hf_gpt2 keeps its GELU gap). The
+    graph is taken in autograd's order, which eager runs: hoisting weight gradients lowers GPT's
+    store-all peak (without the loss) by 1.5% more."""
     if name not in zoo.ZOO:
         pytest.skip("transformers is not installed")
+    monkeypatch.setattr(rkgraph.build, "hoist_gradients", lambda nodes, *_: nodes)
     model, args, kwargs, _ = zoo.make(name)
     graph = capture(model, args, kwargs)
     measured = eager_peak(model, args, kwargs)
