@@ -7,9 +7,11 @@
     rockplan bench [benchmark options]
 
 A factory is called without arguments and returns an `nn.Module` (the sample is then drawn
-from `--shape` and `--dtype`) or a zoo-style tuple `(model, args[, kwargs, ...])` whose sample
-is used unless `--shape` is given. Mistakes in what the user typed are one line on stderr and
-exit code 2; progress goes through `logging` (INFO on a terminal, warnings only otherwise).
+from `--shape` and `--dtype`) or a zoo-style tuple `(model, args[, kwargs, loss_fn])` whose
+sample is used unless `--shape` is given. `--with-loss` plans `loss_fn(model(*args), *args)`
+as one module (the loss's memory then counts against the budget, as in the benchmarks).
+Mistakes in what the user typed are one line on stderr and exit code 2; progress goes
+through `logging` (INFO on a terminal, warnings only otherwise).
 """
 
 from __future__ import annotations
@@ -106,13 +108,21 @@ def _random_sample(model: nn.Module, shape: tuple[int, ...], dtype: torch.dtype)
     return torch.randint(0, min(tables, default=2), shape, dtype=dtype)
 
 
-def build_model(spec: str, shape: str | None, dtype: str, size: str) -> tuple[nn.Module, tuple, dict]:
+def build_model(spec: str, shape: str | None, dtype: str, size: str,
+                with_loss: bool = False) -> tuple[nn.Module, tuple, dict]:
     # Everything typed is checked before the factory runs: building a model can take a while.
     dims = parse_shape(shape) if shape is not None else None
     if dtype not in DTYPES:
         raise UsageError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     factory = load_factory(spec)
     made = factory(size) if spec.startswith("zoo:") else factory()
+    if with_loss:
+        if not (isinstance(made, tuple) and len(made) > 3 and callable(made[3])):
+            raise UsageError(f"{spec} returns no loss: --with-loss needs a factory returning "
+                             "(model, args, kwargs, loss_fn)")
+        from rockplan.zoo import WithLoss
+
+        made = (WithLoss(made[0], made[3]), *made[1:3])
     if isinstance(made, nn.Module):
         if dims is None:
             raise UsageError(f"{spec} returns a bare module: give the sample's shape with --shape, e.g. 8x128")
@@ -136,7 +146,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.solver not in RUNTIME_SOLVERS:
         raise UsageError(f"unknown solver {args.solver!r}; choose one of {', '.join(sorted(RUNTIME_SOLVERS))}")
     budget = parse_budget_arg(args.budget)
-    model, sample_args, sample_kwargs = build_model(args.model, args.shape, args.dtype, args.size)
+    model, sample_args, sample_kwargs = build_model(args.model, args.shape, args.dtype, args.size, args.with_loss)
     log.info("capturing %s and solving with %s (budget %s)...", type(model).__name__, args.solver, args.budget)
     rk = Rockmate(model, (sample_args, sample_kwargs), budget, solver=args.solver, profile=args.profile,
                   schedule=args.schedule)
@@ -193,6 +203,8 @@ def parser() -> argparse.ArgumentParser:
                       help="op times measured on the sample, or estimated from FLOPs "
                            "(kernels' scratch then unseen: the step can exceed the budget by it)")
     plan.add_argument("--size", choices=("tiny", "default"), default="default", help="size of a zoo model")
+    plan.add_argument("--with-loss", action="store_true", help="plan the model with its loss inside, as the "
+                      "benchmarks do (zoo models, or factories returning (model, args, kwargs, loss_fn))")
     plan.add_argument("--schedule", help="reuse this plan file instead of solving (checked against the model)")
     plan.add_argument("--out", default=".", help="directory for the outputs (default: current)")
     plan.set_defaults(run=_plan)

@@ -152,6 +152,17 @@ def test_cli_plan_and_explain(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert capsys.readouterr().out.strip() == printed.strip()  # the file alone says the same
 
 
+def test_cli_plans_the_loss_inside_when_asked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--with-loss` plans the zoo's loss with the model, as the benchmarks do: one scalar
+    output, and the graph's name says so."""
+    code = cli.main(["plan", "zoo:gpt", "--size", "tiny", "--with-loss", "--budget", "0.7", "--solver", SOLVER,
+                     "--profile", "estimate", "--out", str(tmp_path)])
+    assert code == 0 and "WithLoss" in capsys.readouterr().out
+    graph = read_plan(tmp_path / "plan.json").graph
+    (output,) = graph.user_outputs
+    assert graph.name == "WithLoss" and graph.data[output].size == 4
+
+
 def test_cli_plan_from_file_factory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "mymodel.py").write_text(
         "import torch\n"
@@ -171,6 +182,7 @@ def test_cli_plan_from_file_factory(tmp_path: Path, capsys: pytest.CaptureFixtur
     (["plan", "zoo:gpt", "--shape", "8by128"], "bad shape '8by128'"),
     (["plan", "zoo:gpt", "--budget", "1.5GB/s"], "cannot read budget '1.5GB/s'"),
     (["plan", "zoo:gpt", "--budget", "2.5"], "a ratio budget must be in (0, 1]"),
+    (["plan", "torch.nn:Identity", "--with-loss"], "returns no loss: --with-loss needs"),
     (["explain", "no_such_plan.json"], "no plan file no_such_plan.json"),
 ])
 def test_cli_errors_are_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
