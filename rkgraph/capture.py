@@ -9,6 +9,7 @@ partition function (rockplan's planner plugs in there); `capture` only records t
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import inspect
@@ -28,6 +29,7 @@ from torch._functorch.partitioners import default_partition
 from torch._subclasses import FakeTensorMode
 from torch.func import functional_call
 
+from rkgraph.attention import fuse_attention
 from rkgraph.cross_entropy import fuse_cross_entropy_backward
 from rkgraph.dropout import split_dropout
 from rkgraph.linear_cross_entropy import fuse_linear_cross_entropy
@@ -273,6 +275,21 @@ def joint_graph(flat: FlatCall, joint: fx.GraphModule, num_fwd_outputs: int) -> 
     primals = [p.name for p in joint.graph.find_nodes(op="placeholder") if not p.name.startswith("tangents")]
     mutated = frozenset(primals[i] for i in flat.mutated)
     return JointGraph(joint, num_fwd_outputs, kinds, names, mutated)
+
+
+def with_fused_attention(joint: JointGraph) -> JointGraph | None:
+    """A copy of `joint` whose attentions make their probabilities a few heads at a time
+    (`rkgraph.attention`), or None when it has none to fuse. A variant, not a rewrite of
+    `joint`: it costs a recomputation per layer that only tight budgets repay."""
+    graph = fx.Graph()
+    graph._codegen = copy.deepcopy(joint.module.graph._codegen)  # the (primals, tangents) signature
+    graph.output(graph.graph_copy(joint.module.graph, {}))  # nodes' meta is shared, not copied
+    module = fx.GraphModule(joint.module, graph)
+    if not fuse_attention(module):
+        return None
+    module.graph.lint()
+    module.recompile()
+    return dataclasses.replace(joint, module=module)
 
 
 # Ops whose Python decomposition torch._decomp registers for the Autograd and

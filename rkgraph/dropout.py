@@ -67,7 +67,11 @@ def _multiply_by_slices(x: torch.Tensor, mask: torch.Tensor, out: torch.Tensor) 
 @torch.library.custom_op("rkgraph::apply_dropout_mask", mutates_args=(), tags=(torch.Tag.pointwise,))
 def apply_dropout_mask(x: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """`native_dropout_backward(x, mask, scale)`, bit for bit, without its mask-sized scratch."""
-    out = torch.empty_like(x)
+    return apply_dropout_mask_into(x, mask, scale, torch.empty_like(x))
+
+
+def apply_dropout_mask_into(x: torch.Tensor, mask: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+    """`apply_dropout_mask` written into `out` (`x` itself or a tensor laid out as `x`)."""
     if x.numel():
         _multiply_by_slices(x, mask, out)
     return out.mul_(scale)

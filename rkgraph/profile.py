@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils.flop_counter import flop_registry
 
-from rkgraph import dropout, linear_cross_entropy
+from rkgraph import attention, dropout, linear_cross_entropy
 from rkgraph.capture import preserved_rng
 from rkgraph.graph import RematGraph
 
@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 KNOWN_SCRATCH: dict[object, Callable[[fx.Node], int]] = {
     torch.ops.rkgraph.apply_dropout_mask.default: dropout.scratch_bytes,
     torch.ops.rkgraph.linear_cross_entropy.default: linear_cross_entropy.scratch_bytes,
+    torch.ops.rkgraph.attention.default: attention.scratch_bytes,
+    torch.ops.rkgraph.attention_backward.default: attention.scratch_bytes,
 }
 
 # (FLOP/s, bytes/s): order-of-magnitude figures; only ratios between nodes matter.

@@ -172,7 +172,7 @@ def _explain(args: argparse.Namespace) -> int:
         plan = read_plan(args.plan)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    print(explain(plan.graph, plan.schedule, solve_store_all(plan.graph)))
+    print(explain(plan.graph, plan.schedule, solve_store_all(plan.graph), reference=plan.store_all))
     return 0
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from types import SimpleNamespace
 
 from rkgraph.graph import RematGraph
 from rkgraph.render import _common_module, _short_op, backward_block_of, format_time
@@ -49,8 +50,10 @@ def _percent(value: float, reference: float) -> str:
 
 
 def explain(graph: RematGraph, schedule: Schedule, store_all: Schedule,
-            checkpoint_blocks: Schedule | None = None) -> str:
+            checkpoint_blocks: Schedule | None = None, reference: tuple[int, float] | None = None) -> str:
     """The table for `schedule` on `graph`; `store_all` is the store-everything schedule.
+    `reference`: (peak, time) of autograd's graph storing everything, where `graph` is a
+    variant of it (attention fused): overheads and ratios are against it.
 
     `checkpoint_blocks` (checkpoint every block) is solved here when not given; a graph where
     it cannot run (a random op that would be recomputed) shows it as not applicable.
@@ -104,9 +107,13 @@ def explain(graph: RematGraph, schedule: Schedule, store_all: Schedule,
             checkpoint_blocks = solve_checkpoint_blocks(graph)
         except InvalidSchedule:
             checkpoint_blocks = None
-    reference_peak, reference_time = store_all.predicted_peak, store_all.predicted_time
+    reference_peak, reference_time = reference or (store_all.predicted_peak, store_all.predicted_time)
     totals = [("store everything", store_all), ("checkpoint every block", checkpoint_blocks),
               (f"this plan ({schedule.solver or '?'})", schedule)]
+    if any(node.op == "rkgraph.attention_backward.default" for node in graph.nodes):
+        lines += ["", "attention fused: its probabilities are made again in the backward, a few heads at a time"]
+        autograd = SimpleNamespace(predicted_peak=reference_peak, predicted_time=reference_time)
+        totals = [("autograd's graph, store everything", autograd), *totals]
     total_rows = []
     for label, s in totals:
         if s is None:

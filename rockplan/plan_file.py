@@ -42,6 +42,8 @@ class Planned(Protocol):
     graph: RematGraph
     schedule: Schedule
     reserved: int
+    store_all_peak: int  # autograd's graph storing everything: the reference of ratios
+    store_all_time: float
 
 
 @dataclass
@@ -53,6 +55,7 @@ class PlanFile:
     schedule: Schedule
     reserved: int
     fingerprint: str
+    store_all: tuple[int, float]  # (peak, time) of the reference: autograd's graph storing everything
 
 
 # --- the graph's identity ---------------------------------------------------------------------
@@ -122,9 +125,12 @@ def _rockplan_version() -> str:
         return "unknown"
 
 
-def plan_document(graph: RematGraph, schedule: Schedule, reserved: int = 0) -> dict[str, Any]:
-    """The JSON object of a plan file (see docs/plan-format.md)."""
+def plan_document(graph: RematGraph, schedule: Schedule, reserved: int = 0,
+                  reference: tuple[int, float] | None = None) -> dict[str, Any]:
+    """The JSON object of a plan file (see docs/plan-format.md). `reference`: the (peak, time) of
+    autograd's graph storing everything, where `graph` is a variant of it (attention fused)."""
     store_all = solve_store_all(graph)
+    reference = reference or (store_all.predicted_peak, store_all.predicted_time)
     decisions = decide(graph, schedule, store_all)
     labels = decisions.labels()
     nodes = []
@@ -165,7 +171,7 @@ def plan_document(graph: RematGraph, schedule: Schedule, reserved: int = 0) -> d
             "extra": schedule.extra,
         },
         "reserved": reserved,
-        "store_all": {"predicted_peak": store_all.predicted_peak, "predicted_time": store_all.predicted_time},
+        "store_all": {"predicted_peak": reference[0], "predicted_time": reference[1]},
         "summary": {
             "recomputed_nodes": sum(1 for c in decisions.computed.values() if c > 1),
             "recomputations": sum(max(c - 1, 0) for c in decisions.computed.values()),
@@ -178,14 +184,14 @@ def plan_document(graph: RematGraph, schedule: Schedule, reserved: int = 0) -> d
 def export_plan(source: Planned | tuple[RematGraph, Schedule], path: str | Path) -> Path:
     """Write the plan of a `Rockmate` (or of a `(graph, schedule)` pair) to `path` as JSON."""
     if isinstance(source, tuple):
-        graph, schedule = source
-        reserved = 0
+        (graph, schedule), reserved, reference = source, 0, None
     else:
         graph, schedule, reserved = source.graph, source.schedule, source.reserved
+        reference = (source.store_all_peak, source.store_all_time)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # Solver diagnostics may hold numpy numbers or enums: written as text rather than refused.
-    path.write_text(json.dumps(plan_document(graph, schedule, reserved), indent=1, default=str))
+    path.write_text(json.dumps(plan_document(graph, schedule, reserved, reference), indent=1, default=str))
     return path
 
 
@@ -225,7 +231,8 @@ def read_plan(path: str | Path) -> PlanFile:
                          f"version {VERSION}")
     try:
         return PlanFile(_graph_from_document(obj["graph"]), _schedule_from_document(obj["schedule"]),
-                        obj["reserved"], obj["graph"]["fingerprint"])
+                        obj["reserved"], obj["graph"]["fingerprint"],
+                        (obj["store_all"]["predicted_peak"], obj["store_all"]["predicted_time"]))
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path} is a damaged plan file: {type(e).__name__}: {e}") from None
 

@@ -22,13 +22,22 @@ from torch import fx, nn
 from torch._dynamo.backends.debugging import boxed_nop
 
 from rkgraph import build_graph, partition, profile_graph
-from rkgraph.capture import FlatCall, flat_tensors, flatten_call, joint_graph, trace, training_function
+from rkgraph.capture import (
+    FlatCall,
+    JointGraph,
+    flat_tensors,
+    flatten_call,
+    joint_graph,
+    trace,
+    training_function,
+    with_fused_attention,
+)
 from rkgraph.graph import RematGraph
 from rockplan.budget import format_bytes, parse_budget
 from rockplan.codegen import generate, rng_state_bytes, saved_for_backward
 from rockplan.decisions import decide
 from rockplan.explain import explain
-from rockplan.plan_file import export_plan, load_plan
+from rockplan.plan_file import PlanMismatch, export_plan, load_plan
 from rockplan.plots import plot_memory
 from solvers import RUNTIME_SOLVERS, InfeasibleBudget, Schedule, simulate, solve_store_all
 from solvers.bounds import time_lower_bound
@@ -43,7 +52,9 @@ class Plan:
     graph: RematGraph
     schedule: Schedule
     budget: int
-    store_all: Schedule  # what autograd alone would do: the reference for ratios and overheads
+    store_all: Schedule  # the planned graph's store-everything schedule (what the plan decided against)
+    reference: Schedule  # what autograd alone would do (its graph, storing everything): ratios, overheads
+    times: dict[str, float]  # autograd's graph's node times, by name (`profile_times`)
     reserved: int  # bytes the generated code holds beyond the graph (buffer copies, RNG states)
     compiled: Any
     flat: FlatCall
@@ -131,16 +142,16 @@ class Rockmate(nn.Module):
 
     @property
     def store_all_peak(self) -> int:
-        return self._current.store_all.predicted_peak
+        return self._current.reference.predicted_peak
 
     @property
     def store_all_time(self) -> float:
-        return self._current.store_all.predicted_time
+        return self._current.reference.predicted_time
 
     def profile_times(self) -> dict[str, float]:
         """The planned graph's node times in seconds, by node name: `profile=` for another
         plan of the same model and sample on the same costs."""
-        return {node.name: node.time for node in self.graph.nodes}
+        return dict(self._current.times)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         return self.model.state_dict(*args, **kwargs)
@@ -157,48 +168,49 @@ class Rockmate(nn.Module):
 
         def plan_and_generate(joint_module: fx.GraphModule, _inputs: Any, *, num_fwd_outputs: int, **_: Any):
             joint = joint_graph(flat, joint_module, num_fwd_outputs)
-            # Inductor compiles the graphs whole, so it cannot call our RNG replay: random ops run once.
-            graph = build_graph(joint, name=type(self.model).__name__, replay_rng=self.backend != "inductor")
-            graph.joint = joint
-            profile_graph(graph, joint, real, self.profile)
-            partition(graph)
+            graph = self._graph(joint, real, self.profile)
             store_all = solve_store_all(graph)
             budget = parse_budget(self.budget_spec, store_all.predicted_peak)
             log.info("planning %s: %d nodes, budget %s (store-all peak %s)", graph.name, len(graph.nodes),
                      format_bytes(budget), format_bytes(store_all.predicted_peak))
-            # A backward that recomputes from a buffer the step mutates gets a copy of it, and a
-            # random op that runs again its recorded generator state (see codegen); the graph
-            # counts neither, so when they would not fit, their bytes are held back from the
-            # solver's budget and it plans again.
-            if self.plan_file is not None:
-                schedule = load_plan(self.plan_file, graph)
-            else:
-                schedule = RUNTIME_SOLVERS[self.solver](graph, budget, **self.solver_options)
-            reserved = held_back = _reserved_bytes(joint, graph, schedule)
-            # Planned within less, a schedule may recompute more random ops and so hold more
-            # states (GPT at its minimum budget): hold back the most seen, a few rounds at most.
-            for _ in range(3):
-                if schedule.predicted_peak + reserved <= budget or self.plan_file is not None:
-                    break
-                held_back = max(held_back, reserved)
-                schedule = RUNTIME_SOLVERS[self.solver](graph, budget - held_back, **self.solver_options)
-                reserved = _reserved_bytes(joint, graph, schedule)
-            if schedule.predicted_peak + reserved > budget and self.plan_file is None:
-                raise InfeasibleBudget(
-                    f"budget {budget} bytes ({format_bytes(budget)}) is too small: the plans found also need "
-                    f"{reserved} bytes beyond the graph (copies of mutated buffers, recorded RNG states), which "
-                    f"do not fit beside their peak of {schedule.predicted_peak} bytes; the smallest feasible "
-                    f"budget lies above it and at most at {store_all.predicted_peak} bytes "
-                    f"({format_bytes(store_all.predicted_peak)}, recomputing nothing)")
-            simulate(graph, schedule, budget - reserved)  # the referee: never run an unchecked plan
+            chosen, failure = None, None
+            try:
+                chosen = self._solve(joint, graph, budget, store_all)
+            except (InfeasibleBudget, PlanMismatch) as e:
+                failure = e
+            # Where the plan recomputes, the graph whose attentions hold no probabilities (they
+            # are remade inside the backward) may plan faster: plan it too, on the same times
+            # for the nodes both graphs share, and run the faster plan.
+            needs_less_memory = chosen is None or chosen["schedule"].predicted_time > store_all.predicted_time
+            fused = with_fused_attention(joint) if needs_less_memory and self.backend != "inductor" else None
+            if fused is not None:
+                mode = "estimate" if self.profile == "estimate" else "measure"
+                fused_graph = self._graph(fused, real, mode, shared=graph)
+                # No use solving it when its proven floor is above the plan in hand.
+                hopeless = chosen is not None and time_lower_bound(
+                    fused_graph, budget - chosen["reserved"])[0] >= chosen["schedule"].predicted_time
+                try:
+                    other = None if hopeless else self._solve(fused, fused_graph, budget, solve_store_all(fused_graph))
+                except (InfeasibleBudget, PlanMismatch) as e:
+                    # Both infeasible: the fused graph needs less, so its bound is the one to state.
+                    other, failure = None, e if isinstance(e, InfeasibleBudget) else failure
+                if other is not None and (chosen is None or
+                                          other["schedule"].predicted_time < chosen["schedule"].predicted_time):
+                    log.info("attention fused: predicted %.3f s, against %s", other["schedule"].predicted_time,
+                             "no plan" if chosen is None else f"{chosen['schedule'].predicted_time:.3f} s unfused")
+                    chosen = other
+            if chosen is None:
+                raise failure
+            chosen_joint = chosen.pop("joint")
             if log.isEnabledFor(logging.INFO):  # the floor is computed only to be shown
-                floor = time_lower_bound(graph, budget - reserved)[0]
+                schedule = chosen["schedule"]
+                floor = time_lower_bound(chosen["graph"], budget - chosen["reserved"])[0]
                 log.info("planned by %s: peak %s, overhead %+.1f%% (no plan within the budget can be under %+.1f%%)",
                          schedule.solver, format_bytes(schedule.predicted_peak),
                          100 * (schedule.predicted_time / store_all.predicted_time - 1),
                          100 * (floor / store_all.predicted_time - 1))
-            result.update(graph=graph, schedule=schedule, budget=budget, store_all=store_all, reserved=reserved)
-            return generate(joint, graph, schedule)
+            result.update(chosen, budget=budget, reference=store_all, times={n.name: n.time for n in graph.nodes})
+            return generate(chosen_joint, chosen["graph"], chosen["schedule"])
 
         compiler, decompositions = boxed_nop, None
         if self.backend == "inductor":
@@ -211,6 +223,51 @@ class Rockmate(nn.Module):
         plan = Plan(compiled=compiled, flat=flat, plan_time=time.perf_counter() - start, **result)
         self._plans[_signature(self.model, args, kwargs)] = plan
         return plan
+
+    def _graph(self, joint: JointGraph, real: list[torch.Tensor], profile: Any,
+               shared: RematGraph | None = None) -> RematGraph:
+        """The RematGraph of `joint` with its costs; nodes it shares with `shared` (the same fx
+        nodes) take their times from there, so that plans of both compare on the same costs."""
+        # Inductor compiles the graphs whole, so it cannot call our RNG replay: random ops run once.
+        graph = build_graph(joint, name=type(self.model).__name__, replay_rng=self.backend != "inductor")
+        graph.joint = joint
+        profile_graph(graph, joint, real, profile)
+        if shared is not None:
+            same = {node.name: node for node in shared.nodes}
+            for node in graph.nodes:
+                if node.name in same and same[node.name].fx_nodes == node.fx_nodes:
+                    node.time = same[node.name].time
+        partition(graph)
+        return graph
+
+    def _solve(self, joint: JointGraph, graph: RematGraph, budget: int, store_all: Schedule) -> dict[str, Any]:
+        """The schedule for `graph` within `budget` (or the plan file's), checked by the simulator."""
+        # A backward that recomputes from a buffer the step mutates gets a copy of it, and a
+        # random op that runs again its recorded generator state (see codegen); the graph
+        # counts neither, so when they would not fit, their bytes are held back from the
+        # solver's budget and it plans again.
+        if self.plan_file is not None:
+            schedule = load_plan(self.plan_file, graph)
+        else:
+            schedule = RUNTIME_SOLVERS[self.solver](graph, budget, **self.solver_options)
+        reserved = held_back = _reserved_bytes(joint, graph, schedule)
+        # Planned within less, a schedule may recompute more random ops and so hold more
+        # states (GPT at its minimum budget): hold back the most seen, a few rounds at most.
+        for _ in range(3):
+            if schedule.predicted_peak + reserved <= budget or self.plan_file is not None:
+                break
+            held_back = max(held_back, reserved)
+            schedule = RUNTIME_SOLVERS[self.solver](graph, budget - held_back, **self.solver_options)
+            reserved = _reserved_bytes(joint, graph, schedule)
+        if schedule.predicted_peak + reserved > budget and self.plan_file is None:
+            raise InfeasibleBudget(
+                f"budget {budget} bytes ({format_bytes(budget)}) is too small: the plans found also need "
+                f"{reserved} bytes beyond the graph (copies of mutated buffers, recorded RNG states), which "
+                f"do not fit beside their peak of {schedule.predicted_peak} bytes; the smallest feasible "
+                f"budget lies above it and at most at {store_all.predicted_peak} bytes "
+                f"({format_bytes(store_all.predicted_peak)}, recomputing nothing)")
+        simulate(graph, schedule, budget - reserved)  # the referee: never run an unchecked plan
+        return {"joint": joint, "graph": graph, "schedule": schedule, "store_all": store_all, "reserved": reserved}
 
     # --- running -------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -239,7 +296,9 @@ class Rockmate(nn.Module):
 
     def explain(self) -> str:
         """A terminal table: per block what is kept and recomputed, and totals against baselines."""
-        return explain(self.graph, self.schedule, self._current.store_all)
+        reference = self._current.reference
+        return explain(self.graph, self.schedule, self._current.store_all,
+                       reference=(reference.predicted_peak, reference.predicted_time))
 
     def render(self, path: str | Path, collapse: bool | None = None) -> Path:
         """Draw the graph with the decisions coloured (.pdf, .png or .svg)."""

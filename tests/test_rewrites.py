@@ -273,3 +273,79 @@ def test_linear_cross_entropy_scratch_bound_is_what_the_allocator_sees(rows: str
         outputs = op(*args)  # noqa: F841 (held: the replay's net is the outputs, the rest scratch)
     peak, held = recorded.replay(0, None)
     assert peak - held <= scratch_bytes(node) <= 1.03 * (peak - held)
+
+
+class _Attention(torch.nn.Module):
+    """The attentions SDPA's math path traces on CPU: causal, with an additive mask, or neither."""
+
+    def __init__(self, case: str) -> None:
+        super().__init__()
+        self.case = case
+        self.proj = torch.nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.view(2, 70, 4, 4).transpose(1, 2) for t in self.proj(x).split(16, dim=2))
+        mask = torch.linspace(-1, 0, 70 * 70).view(1, 1, 70, 70) if self.case == "additive_mask" else None
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.case == "causal",
+                                           dropout_p=0.2 if self.training else 0.0)
+        return y.transpose(1, 2).reshape(2, 70, 16).sum()
+
+
+def _joint_outputs(joint: object, model: torch.nn.Module, args: tuple) -> list[torch.Tensor]:
+    from rkgraph.capture import flat_tensors, flatten_call
+    real = flat_tensors(model, flatten_call(model, args, {}), args, {})
+    torch.manual_seed(3)
+    out = joint.module(list(real), rkgraph.random_tangents(joint.module))
+    return [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+@pytest.mark.parametrize("case", ["causal", "additive_mask", "no_mask", "bfloat16", "gpt"])
+def test_fused_attention_makes_the_same_bits(case: str) -> None:
+    """Attention fused (its probabilities made a few heads at a time, again in the backward):
+    the same loss and gradients, bit for bit, as the math path's ops, which it replaces whole.
+    In bfloat16 the math path computes in float32 on CPU, and so does the fused op."""
+    from rkgraph.capture import capture_joint, with_fused_attention
+    if case == "gpt":
+        model, args, kwargs, loss_fn = zoo.make("gpt", "tiny")
+        model, count = zoo.WithLoss(model, loss_fn), 2
+    elif case == "bfloat16":
+        model, args, count = _Attention("causal").to(torch.bfloat16), (torch.randn(2, 70, 16, dtype=torch.bfloat16),), 1
+    else:
+        model, args, count = _Attention(case), (torch.randn(2, 70, 16),), 1
+    joint = capture_joint(model, args)
+    fused = with_fused_attention(joint)
+    targets = [n.target for n in fused.module.graph.nodes]
+    assert targets.count(torch.ops.rkgraph.attention.default) == count
+    assert targets.count(torch.ops.rkgraph.attention_backward.default) == count
+    assert not {aten._safe_softmax.default, aten._softmax_backward_data.default, aten.bmm.default} & set(targets)
+    expected, got = _joint_outputs(joint, model, args), _joint_outputs(fused, model, args)
+    assert len(got) == len(expected) > count
+    for e, g in zip(expected, got, strict=True):
+        assert g.dtype == e.dtype and torch.equal(g, e)
+
+
+def test_attention_without_dropout_is_left_alone() -> None:
+    from rkgraph.capture import capture_joint, with_fused_attention
+    model = _Attention("causal").eval()  # no dropout: PyTorch's own flash kernel holds no scores
+    assert with_fused_attention(capture_joint(model, (torch.randn(2, 70, 16),))) is None
+
+
+def test_fused_attention_scratch_bound_is_what_the_allocator_sees() -> None:
+    """The scratch an estimated profile counts for the fused ops bounds what the allocator sees
+    inside them, and is below one of the math path's [B, H, T, S] tensors (6 MiB here)."""
+    from rkgraph.attention import scratch_bytes as attention_scratch_bytes
+    batch, heads, t, d = 4, 6, 256, 64
+    q, v, grad = (torch.randn(batch * heads, t, d) for _ in range(3))
+    kt = torch.randn(batch * heads, d, t)
+    bias = torch.zeros(t, t).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    mask = torch.rand(batch, heads, t, t) < 0.9
+    forward = (q, kt, v, bias, mask, 1 / 0.9, heads, True)
+    ops = torch.ops.rkgraph
+    gm = make_fx(lambda g, *a: (ops.attention(*a), ops.attention_backward(g, *a)), tracing_mode="fake")(grad, *forward)
+    nodes = {n.target: n for n in gm.graph.nodes}
+    for op, args in ((ops.attention.default, forward), (ops.attention_backward.default, (grad, *forward))):
+        op(*args)  # warm-up
+        with AllocatorEvents("cpu") as recorded:
+            out = op(*args)  # noqa: F841 (held: the replay's net is the output)
+        peak, held = recorded.replay(0, None)
+        assert 0 < peak - held <= attention_scratch_bytes(nodes[op]) < batch * heads * t * t * 4

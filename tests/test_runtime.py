@@ -396,3 +396,25 @@ def test_a_plan_reuses_another_plans_profile() -> None:
         other, other_args, other_kwargs, _ = zoo.make(name, "tiny")
         with pytest.raises(ValueError, match="profile is for another graph"):
             Rockmate(other, (other_args, other_kwargs), 1.0, solver="store_all", profile=times)
+
+
+def test_long_sequences_plan_with_attention_fused() -> None:
+    """A GPT whose attention probabilities outweigh its activations (sequence 256, width 32):
+    under a tight budget the plan runs the graph whose attention makes its probabilities again
+    in the backward. Same loss and gradients, bit for bit, as the unfused graph storing
+    everything; the measured peak within the budget; overheads against that graph."""
+    torch.manual_seed(0)
+    model = zoo.GPT(vocab_size=128, block_size=256, n_layer=2, n_head=4, n_embd=32, dropout=0.1)
+    args, kwargs = (torch.randint(0, 128, (2, 256)),), {}
+    stored_model = copy.deepcopy(model)
+    rk = Rockmate(model, (args, kwargs), 0.5, profile="estimate", solver_options=SOLVER_OPTIONS)
+    assert sum(n.op == "rkgraph.attention_backward.default" for n in rk.graph.nodes) == 2
+    stored = Rockmate(stored_model, (args, kwargs), 1.0, solver="store_all", profile="estimate")
+    assert not any("attention" in n.op for n in stored.graph.nodes)
+    assert rk.store_all_peak == stored.store_all_peak and rk.store_all_time == stored.store_all_time
+    assert rk.profile_times() == {n.name: n.time for n in stored.graph.nodes}
+    assert "attention fused" in rk.explain()
+    planned = measure_step(_step, rk, args, kwargs)
+    torch.testing.assert_close(planned.result, _step(stored, args, kwargs), rtol=0, atol=0)
+    _assert_same_state(model, stored_model)
+    assert planned.peak <= rk.budget
