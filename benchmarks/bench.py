@@ -188,6 +188,8 @@ def bench_model(name: str, size: str, ratios: list[float], repeats: int, solvers
             row.predicted_overhead = rk.schedule.predicted_time / rk.store_all_time - 1
             floor = time_lower_bound(rk.graph, rk.schedule.budget or budget)[0]
             row.note = f"proven floor {floor / rk.store_all_time - 1:+.1%}"
+            if any(n.op == "rkgraph.attention_backward.default" for n in rk.graph.nodes):
+                row.note += " (of the graph with attention fused, which this plan runs)"
             planned.append((row, rk))
         checkpointed = Row(name, ratio, budget, "torch.utils.checkpoint per block")
         if blocks_peak <= budget:

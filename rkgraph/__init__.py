@@ -20,6 +20,7 @@ from rkgraph.profile import (
     measure_scratch,
     measure_times,
     random_tangents,
+    share_profile,
 )
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "AllocatorEvents", "CaptureError", "ComputeNode", "DataNode", "JointGraph", "RematGraph", "build_graph",
     "capture", "capture_joint", "estimate_scratch", "estimate_times", "measure_scratch", "measure_times", "partition",
-    "profile_graph", "random_tangents",
+    "profile_graph", "random_tangents", "share_profile",
 ]
 
 

@@ -247,3 +247,21 @@ def measure_scratch(
             scratch[node.name] = max(scratch[node.name], peak - max(current, 0))
     for node in graph.nodes:
         node.workspace += scratch[node.name]
+
+
+def share_profile(graph: RematGraph, reference: RematGraph) -> None:
+    """Cost `graph`, a variant of `reference`'s graph (attention fused), from `reference`'s
+    profile, so that plans of both compare on the same costs and the variant needs no run of
+    its own: a node made of the same fx nodes takes its time and workspace; a node whose fx
+    nodes replaced ops of the reference (`meta["replaces"]`, set by the rewrite) takes the time
+    of the reference's nodes made only of those ops (a fused op priced as what it runs)."""
+    same = {node.name: node for node in reference.nodes}
+    fx_nodes = {n.name: n for n in graph.joint.module.graph.nodes}
+    for node in graph.nodes:
+        other = same.get(node.name)
+        if other is not None and other.fx_nodes == node.fx_nodes:
+            node.time, node.workspace = other.time, other.workspace
+            continue
+        replaced = {name for n in node.fx_nodes for name in fx_nodes[n].meta.get("replaces", ())}
+        if replaced:
+            node.time = sum(o.time for o in reference.nodes if o.fx_nodes and set(o.fx_nodes) <= replaced)

@@ -21,7 +21,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch._dynamo.backends.debugging import boxed_nop
 
-from rkgraph import build_graph, partition, profile_graph
+from rkgraph import build_graph, partition, profile_graph, share_profile
 from rkgraph.capture import (
     FlatCall,
     JointGraph,
@@ -184,8 +184,7 @@ class Rockmate(nn.Module):
             needs_less_memory = chosen is None or chosen["schedule"].predicted_time > store_all.predicted_time
             fused = with_fused_attention(joint) if needs_less_memory and self.backend != "inductor" else None
             if fused is not None:
-                mode = "estimate" if self.profile == "estimate" else "measure"
-                fused_graph = self._graph(fused, real, mode, shared=graph)
+                fused_graph = self._graph(fused, real, "estimate", shared=graph)
                 # No use solving it when its proven floor is above the plan in hand.
                 hopeless = chosen is not None and time_lower_bound(
                     fused_graph, budget - chosen["reserved"])[0] >= chosen["schedule"].predicted_time
@@ -226,17 +225,14 @@ class Rockmate(nn.Module):
 
     def _graph(self, joint: JointGraph, real: list[torch.Tensor], profile: Any,
                shared: RematGraph | None = None) -> RematGraph:
-        """The RematGraph of `joint` with its costs; nodes it shares with `shared` (the same fx
-        nodes) take their times from there, so that plans of both compare on the same costs."""
+        """The RematGraph of `joint` with its costs; a variant of `shared`'s graph is costed from
+        `shared`'s profile (`rkgraph.share_profile`)."""
         # Inductor compiles the graphs whole, so it cannot call our RNG replay: random ops run once.
         graph = build_graph(joint, name=type(self.model).__name__, replay_rng=self.backend != "inductor")
         graph.joint = joint
         profile_graph(graph, joint, real, profile)
         if shared is not None:
-            same = {node.name: node for node in shared.nodes}
-            for node in graph.nodes:
-                if node.name in same and same[node.name].fx_nodes == node.fx_nodes:
-                    node.time = same[node.name].time
+            share_profile(graph, shared)
         partition(graph)
         return graph
 

@@ -414,6 +414,15 @@ def test_long_sequences_plan_with_attention_fused() -> None:
     assert rk.store_all_peak == stored.store_all_peak and rk.store_all_time == stored.store_all_time
     assert rk.profile_times() == {n.name: n.time for n in stored.graph.nodes}
     assert "attention fused" in rk.explain()
+    # The variant is priced from autograd's graph's profile: shared nodes as there, the fused
+    # forward as the ops it replaced, its backward as those it replaced and the forward's again.
+    unfused = {n.name: n for n in stored.graph.nodes}
+    for node in rk.graph.nodes:
+        if node.name in unfused and unfused[node.name].fx_nodes == node.fx_nodes:
+            assert node.time == unfused[node.name].time
+    forward, backward = (next(n for n in rk.graph.nodes if n.op == f"rkgraph.{op}.default")
+                         for op in ("attention", "attention_backward"))
+    assert 0 < forward.time < backward.time
     planned = measure_step(_step, rk, args, kwargs)
     torch.testing.assert_close(planned.result, _step(stored, args, kwargs), rtol=0, atol=0)
     _assert_same_state(model, stored_model)
