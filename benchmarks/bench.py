@@ -35,6 +35,7 @@ import torch
 from torch._dynamo.backends.debugging import aot_eager
 from torch.utils.checkpoint import checkpoint
 
+from rkgraph.attention import has_fused_attention
 from rockplan import zoo
 from rockplan.budget import format_bytes
 from rockplan.memory import measure_step, steady_cpu_heap
@@ -188,7 +189,7 @@ def bench_model(name: str, size: str, ratios: list[float], repeats: int, solvers
             row.predicted_overhead = rk.schedule.predicted_time / rk.store_all_time - 1
             floor = time_lower_bound(rk.graph, rk.schedule.budget or budget)[0]
             row.note = f"proven floor {floor / rk.store_all_time - 1:+.1%}"
-            if any(n.op == "rkgraph.attention_backward.default" for n in rk.graph.nodes):
+            if has_fused_attention(rk.graph):
                 row.note += " (of the graph with attention fused, which this plan runs)"
             planned.append((row, rk))
         checkpointed = Row(name, ratio, budget, "torch.utils.checkpoint per block")

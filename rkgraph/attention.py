@@ -30,6 +30,7 @@ from torch import fx
 from torch.utils.flop_counter import register_flop_formula
 
 from rkgraph.dropout import apply_dropout_mask_into
+from rkgraph.graph import RematGraph
 from rkgraph.linear_cross_entropy import _call, _erase_unused, _only_user, _positions, _views_of
 
 aten = torch.ops.aten
@@ -38,11 +39,17 @@ aten = torch.ops.aten
 CHUNK_BYTES = 1 << 20
 
 
-def _chunks(batch: int, heads: int, per_head: int):
+def _heads_per_chunk(q: torch.Tensor, kt: torch.Tensor, heads: int) -> tuple[int, int]:
+    """How many heads a slice holds, and one head's [T, S] bytes."""
+    per_head = q.shape[1] * kt.shape[2] * q.element_size()
+    return max(1, min(heads, CHUNK_BYTES // max(per_head, 1))), per_head
+
+
+def _chunks(q: torch.Tensor, kt: torch.Tensor, heads: int):
     """(batch index, first head, last head + 1) of slices of about CHUNK_BYTES, within one batch index
     so that a bias broadcast over the batch or the heads is a view of each slice."""
-    step = max(1, min(heads, CHUNK_BYTES // max(per_head, 1)))
-    for b in range(batch):
+    step, _ = _heads_per_chunk(q, kt, heads)
+    for b in range(q.shape[0] // heads):
         for h in range(0, heads, step):
             yield b, h, min(h + step, heads)
 
@@ -62,8 +69,9 @@ def _probabilities(q, kt, bias4, mask4, scale, safe, b, h0, h1, heads, keep_prob
     return rows, (probs if keep_probs else None), dropped
 
 
-def _shape4(q: torch.Tensor, kt: torch.Tensor, heads: int) -> tuple[int, int, int, int]:
-    return q.shape[0] // heads, heads, q.shape[1], kt.shape[2]
+def _bias4(q: torch.Tensor, kt: torch.Tensor, bias: torch.Tensor | None, heads: int) -> torch.Tensor | None:
+    """`bias` broadcast to [B, H, T, S] (a view), or None."""
+    return None if bias is None else bias.expand(q.shape[0] // heads, heads, q.shape[1], kt.shape[2])
 
 
 @torch.library.custom_op("rkgraph::attention", mutates_args=())
@@ -72,10 +80,9 @@ def attention(q: torch.Tensor, kt: torch.Tensor, v: torch.Tensor, bias: torch.Te
     """`bmm(apply_dropout_mask(softmax(bmm(q, kt).view(B, H, T, S) + bias), mask, scale).view(BH, T, S), v)`
     for q [BH, T, D], kt [BH, D, S], v [BH, S, Dv], `bias` broadcastable to [B, H, T, S] (or
     None), `mask` [B, H, T, S] (None: no dropout); `safe`: `_safe_softmax`, else `_softmax`."""
-    shape = _shape4(q, kt, heads)
-    bias4 = None if bias is None else bias.expand(shape)
+    bias4 = _bias4(q, kt, bias, heads)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
-    for b, h0, h1 in _chunks(shape[0], heads, shape[2] * shape[3] * q.element_size()):
+    for b, h0, h1 in _chunks(q, kt, heads):
         rows, _, dropped = _probabilities(q, kt, bias4, mask, scale, safe, b, h0, h1, heads, keep_probs=False)
         torch.bmm(dropped, v[rows], out=out[rows])
     return out
@@ -92,10 +99,9 @@ def attention_backward(grad: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, v:
                        safe: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of `attention`'s q, kt and v for its output's gradient `grad`, each
     chunk's probabilities made again."""
-    shape = _shape4(q, kt, heads)
-    bias4 = None if bias is None else bias.expand(shape)
+    bias4 = _bias4(q, kt, bias, heads)
     grad_q, grad_kt, grad_v = torch.empty_like(q), torch.empty_like(kt), torch.empty_like(v)
-    for b, h0, h1 in _chunks(shape[0], heads, shape[2] * shape[3] * q.element_size()):
+    for b, h0, h1 in _chunks(q, kt, heads):
         rows, probs, dropped = _probabilities(q, kt, bias4, mask, scale, safe, b, h0, h1, heads)
         torch.bmm(dropped.transpose(1, 2), grad[rows], out=grad_v[rows])
         del dropped
@@ -133,11 +139,13 @@ def scratch_bytes(node: fx.Node) -> int:
     of the probabilities and the scores)."""
     backward = node.target is torch.ops.rkgraph.attention_backward.default
     q, kt = (node.args[1:3] if backward else node.args[:2])
-    q, kt = q.meta["val"], kt.meta["val"]
-    heads = node.args[7 if backward else 6]
-    per_head = q.shape[1] * kt.shape[2] * q.element_size()
-    chunk = max(1, min(heads, CHUNK_BYTES // max(per_head, 1))) * per_head
-    return (4 if backward else 3) * chunk
+    step, per_head = _heads_per_chunk(q.meta["val"], kt.meta["val"], node.args[7 if backward else 6])
+    return (4 if backward else 3) * step * per_head
+
+
+def has_fused_attention(graph: RematGraph) -> bool:
+    """Whether `graph` is the variant with attention fused."""
+    return any(node.op == "rkgraph.attention_backward.default" for node in graph.nodes)
 
 
 # --- the rewrite ---------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Sequence
 from types import SimpleNamespace
 
+from rkgraph.attention import has_fused_attention
 from rkgraph.graph import RematGraph
 from rkgraph.render import _common_module, _short_op, backward_block_of, format_time
 from rockplan.budget import format_bytes
@@ -110,7 +111,7 @@ def explain(graph: RematGraph, schedule: Schedule, store_all: Schedule,
     reference_peak, reference_time = reference or (store_all.predicted_peak, store_all.predicted_time)
     totals = [("store everything", store_all), ("checkpoint every block", checkpoint_blocks),
               (f"this plan ({schedule.solver or '?'})", schedule)]
-    if any(node.op == "rkgraph.attention_backward.default" for node in graph.nodes):
+    if has_fused_attention(graph):
         lines += ["", "attention fused: its probabilities are made again in the backward, a few heads at a time"]
         autograd = SimpleNamespace(predicted_peak=reference_peak, predicted_time=reference_time)
         totals = [("autograd's graph, store everything", autograd), *totals]

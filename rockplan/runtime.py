@@ -149,8 +149,8 @@ class Rockmate(nn.Module):
         return self._current.reference.predicted_time
 
     def profile_times(self) -> dict[str, float]:
-        """The planned graph's node times in seconds, by node name: `profile=` for another
-        plan of the same model and sample on the same costs."""
+        """Autograd's graph's node times in seconds, by node name (the fused-attention variant is
+        priced from them): `profile=` for another plan of the same model and sample on the same costs."""
         return dict(self._current.times)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -181,7 +181,9 @@ class Rockmate(nn.Module):
             # Where the plan recomputes, the graph whose attentions hold no probabilities (they
             # are remade inside the backward) may plan faster: plan it too, on the same times
             # for the nodes both graphs share, and run the faster plan.
-            needs_less_memory = chosen is None or chosen["schedule"].predicted_time > store_all.predicted_time
+            # A plan file that matched autograd's graph leaves nothing to choose.
+            needs_less_memory = chosen is None or (
+                self.plan_file is None and chosen["schedule"].predicted_time > store_all.predicted_time)
             fused = with_fused_attention(joint) if needs_less_memory and self.backend != "inductor" else None
             if fused is not None:
                 fused_graph = self._graph(fused, real, "estimate", shared=graph)
