@@ -35,7 +35,7 @@ import torch
 from torch._dynamo.backends.debugging import aot_eager
 from torch.utils.checkpoint import checkpoint
 
-from rkgraph.attention import has_fused_attention
+from rkgraph.capture import lean_rewrites
 from rockplan import zoo
 from rockplan.budget import format_bytes
 from rockplan.memory import measure_step, steady_cpu_heap
@@ -189,8 +189,8 @@ def bench_model(name: str, size: str, ratios: list[float], repeats: int, solvers
             row.predicted_overhead = rk.schedule.predicted_time / rk.store_all_time - 1
             floor = time_lower_bound(rk.graph, rk.schedule.budget or budget)[0]
             row.note = f"proven floor {floor / rk.store_all_time - 1:+.1%}"
-            if has_fused_attention(rk.graph):
-                row.note += " (of the graph with attention fused, which this plan runs)"
+            if lean_rewrites(rk.graph):
+                row.note += " (of the lean variant of the graph, which this plan runs)"
             planned.append((row, rk))
         checkpointed = Row(name, ratio, budget, "torch.utils.checkpoint per block")
         if blocks_peak <= budget:

@@ -30,7 +30,6 @@ from torch import fx
 from torch.utils.flop_counter import register_flop_formula
 
 from rkgraph.dropout import apply_dropout_mask_into
-from rkgraph.graph import RematGraph
 from rkgraph.linear_cross_entropy import _call, _erase_unused, _only_user, _positions, _views_of
 
 aten = torch.ops.aten
@@ -141,11 +140,6 @@ def scratch_bytes(node: fx.Node) -> int:
     q, kt = (node.args[1:3] if backward else node.args[:2])
     step, per_head = _heads_per_chunk(q.meta["val"], kt.meta["val"], node.args[7 if backward else 6])
     return (4 if backward else 3) * step * per_head
-
-
-def has_fused_attention(graph: RematGraph) -> bool:
-    """Whether `graph` is the variant with attention fused."""
-    return any(node.op == "rkgraph.attention_backward.default" for node in graph.nodes)
 
 
 # --- the rewrite ---------------------------------------------------------------------------

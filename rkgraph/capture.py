@@ -31,7 +31,8 @@ from torch.func import functional_call
 
 from rkgraph.attention import fuse_attention
 from rkgraph.cross_entropy import fuse_cross_entropy_backward
-from rkgraph.dropout import split_dropout
+from rkgraph.dropout import pack_saved_masks, split_dropout
+from rkgraph.graph import RematGraph
 from rkgraph.linear_cross_entropy import fuse_linear_cross_entropy
 
 log = logging.getLogger(__name__)
@@ -277,19 +278,35 @@ def joint_graph(flat: FlatCall, joint: fx.GraphModule, num_fwd_outputs: int) -> 
     return JointGraph(joint, num_fwd_outputs, kinds, names, mutated)
 
 
-def with_fused_attention(joint: JointGraph) -> JointGraph | None:
-    """A copy of `joint` whose attentions make their probabilities a few heads at a time
-    (`rkgraph.attention`), or None when it has none to fuse. A variant, not a rewrite of
-    `joint`: it costs a recomputation per layer that only tight budgets repay."""
+def lean_variant(joint: JointGraph) -> JointGraph | None:
+    """A copy of `joint` that holds less for a recomputation or two: attentions make their
+    probabilities a few heads at a time (`rkgraph.attention`), and masks the backward reads
+    are kept packed (`rkgraph.dropout.pack_saved_masks`); None when neither applies. A
+    variant, not a rewrite of `joint`: it costs time that only tight budgets repay."""
     graph = fx.Graph()
     graph._codegen = copy.deepcopy(joint.module.graph._codegen)  # the (primals, tangents) signature
     graph.output(graph.graph_copy(joint.module.graph, {}))  # nodes' meta is shared, not copied
     module = fx.GraphModule(joint.module, graph)
-    if not fuse_attention(module):
+    # The attention first: it reads the mask it replaces the backward's application of.
+    if not fuse_attention(module) + pack_saved_masks(module):
         return None
     module.graph.lint()
     module.recompile()
     return dataclasses.replace(joint, module=module)
+
+
+# What each of `lean_variant`'s rewrites leaves in a graph, and what it does, in words.
+_LEAN_REWRITES = {
+    "rkgraph.attention_backward.default":
+        "attention fused: its probabilities are made again in the backward, a few heads at a time",
+    "rkgraph.unpack_mask.default": "masks packed: the dropout masks the backward reads are kept eight to a byte",
+}
+
+
+def lean_rewrites(graph: RematGraph) -> list[str]:
+    """`lean_variant`'s rewrites that `graph` holds, in words; none for autograd's graph."""
+    ops = {node.op for node in graph.nodes}
+    return [words for op, words in _LEAN_REWRITES.items() if op in ops]
 
 
 # Ops whose Python decomposition torch._decomp registers for the Autograd and

@@ -41,6 +41,8 @@ KNOWN_SCRATCH: dict[object, Callable[[fx.Node], int]] = {
     torch.ops.rkgraph.linear_cross_entropy.default: linear_cross_entropy.scratch_bytes,
     torch.ops.rkgraph.attention.default: attention.scratch_bytes,
     torch.ops.rkgraph.attention_backward.default: attention.scratch_bytes,
+    torch.ops.rkgraph.pack_mask.default: dropout.packing_scratch_bytes,
+    torch.ops.rkgraph.unpack_mask.default: dropout.packing_scratch_bytes,
 }
 
 # (FLOP/s, bytes/s): order-of-magnitude figures; only ratios between nodes matter.
@@ -250,7 +252,7 @@ def measure_scratch(
 
 
 def share_profile(graph: RematGraph, reference: RematGraph) -> None:
-    """Cost `graph`, a variant of `reference`'s graph (attention fused), from `reference`'s
+    """Cost `graph`, a variant of `reference`'s graph (`lean_variant`), from `reference`'s
     profile, so that plans of both compare on the same costs and the variant needs no run of
     its own: a node made of the same fx nodes takes its time and workspace; a node whose fx
     nodes replaced ops of the reference (`meta["replaces"]`, set by the rewrite) takes the time

@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Sequence
 from types import SimpleNamespace
 
-from rkgraph.attention import has_fused_attention
+from rkgraph.capture import lean_rewrites
 from rkgraph.graph import RematGraph
 from rkgraph.render import _common_module, _short_op, backward_block_of, format_time
 from rockplan.budget import format_bytes
@@ -54,7 +54,7 @@ def explain(graph: RematGraph, schedule: Schedule, store_all: Schedule,
             checkpoint_blocks: Schedule | None = None, reference: tuple[int, float] | None = None) -> str:
     """The table for `schedule` on `graph`; `store_all` is the store-everything schedule.
     `reference`: (peak, time) of autograd's graph storing everything, where `graph` is a
-    variant of it (attention fused): overheads and ratios are against it.
+    variant of it (`rkgraph.capture.lean_variant`): overheads and ratios are against it.
 
     `checkpoint_blocks` (checkpoint every block) is solved here when not given; a graph where
     it cannot run (a random op that would be recomputed) shows it as not applicable.
@@ -111,8 +111,9 @@ def explain(graph: RematGraph, schedule: Schedule, store_all: Schedule,
     reference_peak, reference_time = reference or (store_all.predicted_peak, store_all.predicted_time)
     totals = [("store everything", store_all), ("checkpoint every block", checkpoint_blocks),
               (f"this plan ({schedule.solver or '?'})", schedule)]
-    if has_fused_attention(graph):
-        lines += ["", "attention fused: its probabilities are made again in the backward, a few heads at a time"]
+    rewrites = lean_rewrites(graph)
+    if rewrites:
+        lines += ["", *rewrites]
         autograd = SimpleNamespace(predicted_peak=reference_peak, predicted_time=reference_time)
         totals = [("autograd's graph, store everything", autograd), *totals]
     total_rows = []

@@ -128,7 +128,7 @@ def _rockplan_version() -> str:
 def plan_document(graph: RematGraph, schedule: Schedule, reserved: int = 0,
                   reference: tuple[int, float] | None = None) -> dict[str, Any]:
     """The JSON object of a plan file (see docs/plan-format.md). `reference`: the (peak, time) of
-    autograd's graph storing everything, where `graph` is a variant of it (attention fused)."""
+    autograd's graph storing everything, where `graph` is a variant of it (`lean_variant`)."""
     store_all = solve_store_all(graph)
     reference = reference or (store_all.predicted_peak, store_all.predicted_time)
     decisions = decide(graph, schedule, store_all)

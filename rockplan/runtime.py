@@ -28,9 +28,9 @@ from rkgraph.capture import (
     flat_tensors,
     flatten_call,
     joint_graph,
+    lean_variant,
     trace,
     training_function,
-    with_fused_attention,
 )
 from rkgraph.graph import RematGraph
 from rockplan.budget import format_bytes, parse_budget
@@ -149,7 +149,7 @@ class Rockmate(nn.Module):
         return self._current.reference.predicted_time
 
     def profile_times(self) -> dict[str, float]:
-        """Autograd's graph's node times in seconds, by node name (the fused-attention variant is
+        """Autograd's graph's node times in seconds, by node name (the lean variant is
         priced from them): `profile=` for another plan of the same model and sample on the same costs."""
         return dict(self._current.times)
 
@@ -178,27 +178,27 @@ class Rockmate(nn.Module):
                 chosen = self._solve(joint, graph, budget, store_all)
             except (InfeasibleBudget, PlanMismatch) as e:
                 failure = e
-            # Where the plan recomputes, the graph whose attentions hold no probabilities (they
-            # are remade inside the backward) may plan faster: plan it too, on the same times
-            # for the nodes both graphs share, and run the faster plan.
+            # Where the plan recomputes, the graph that holds less (attention's probabilities
+            # remade inside the backward, masks kept packed) may plan faster: plan it too, on
+            # the same times for the nodes both graphs share, and run the faster plan.
             # A plan file that matched autograd's graph leaves nothing to choose.
             needs_less_memory = chosen is None or (
                 self.plan_file is None and chosen["schedule"].predicted_time > store_all.predicted_time)
-            fused = with_fused_attention(joint) if needs_less_memory and self.backend != "inductor" else None
-            if fused is not None:
-                fused_graph = self._graph(fused, real, "estimate", shared=graph)
+            lean = lean_variant(joint) if needs_less_memory and self.backend != "inductor" else None
+            if lean is not None:
+                lean_graph = self._graph(lean, real, "estimate", shared=graph)
                 # No use solving it when its proven floor is above the plan in hand.
                 hopeless = chosen is not None and time_lower_bound(
-                    fused_graph, budget - chosen["reserved"])[0] >= chosen["schedule"].predicted_time
+                    lean_graph, budget - chosen["reserved"])[0] >= chosen["schedule"].predicted_time
                 try:
-                    other = None if hopeless else self._solve(fused, fused_graph, budget, solve_store_all(fused_graph))
+                    other = None if hopeless else self._solve(lean, lean_graph, budget, solve_store_all(lean_graph))
                 except (InfeasibleBudget, PlanMismatch) as e:
-                    # Both infeasible: the fused graph needs less, so its bound is the one to state.
+                    # Both infeasible: the lean graph needs less, so its bound is the one to state.
                     other, failure = None, e if isinstance(e, InfeasibleBudget) else failure
                 if other is not None and (chosen is None or
                                           other["schedule"].predicted_time < chosen["schedule"].predicted_time):
-                    log.info("attention fused: predicted %.3f s, against %s", other["schedule"].predicted_time,
-                             "no plan" if chosen is None else f"{chosen['schedule'].predicted_time:.3f} s unfused")
+                    log.info("lean variant: predicted %.3f s, against %s", other["schedule"].predicted_time,
+                             "no plan" if chosen is None else f"{chosen['schedule'].predicted_time:.3f} s")
                     chosen = other
             if chosen is None:
                 raise failure

@@ -304,7 +304,7 @@ def test_fused_attention_makes_the_same_bits(case: str) -> None:
     """Attention fused (its probabilities made a few heads at a time, again in the backward):
     the same loss and gradients, bit for bit, as the math path's ops, which it replaces whole.
     In bfloat16 the math path computes in float32 on CPU, and so does the fused op."""
-    from rkgraph.capture import capture_joint, with_fused_attention
+    from rkgraph.capture import capture_joint, lean_variant
     if case == "gpt":
         model, args, kwargs, loss_fn = zoo.make("gpt", "tiny")
         model, count = zoo.WithLoss(model, loss_fn), 2
@@ -313,7 +313,7 @@ def test_fused_attention_makes_the_same_bits(case: str) -> None:
     else:
         model, args, count = _Attention(case), (torch.randn(2, 70, 16),), 1
     joint = capture_joint(model, args)
-    fused = with_fused_attention(joint)
+    fused = lean_variant(joint)
     targets = [n.target for n in fused.module.graph.nodes]
     assert targets.count(torch.ops.rkgraph.attention.default) == count
     assert targets.count(torch.ops.rkgraph.attention_backward.default) == count
@@ -325,9 +325,9 @@ def test_fused_attention_makes_the_same_bits(case: str) -> None:
 
 
 def test_attention_without_dropout_is_left_alone() -> None:
-    from rkgraph.capture import capture_joint, with_fused_attention
+    from rkgraph.capture import capture_joint, lean_variant
     model = _Attention("causal").eval()  # no dropout: PyTorch's own flash kernel holds no scores
-    assert with_fused_attention(capture_joint(model, (torch.randn(2, 70, 16),))) is None
+    assert lean_variant(capture_joint(model, (torch.randn(2, 70, 16),))) is None
 
 
 def test_fused_attention_scratch_bound_is_what_the_allocator_sees() -> None:
@@ -349,3 +349,67 @@ def test_fused_attention_scratch_bound_is_what_the_allocator_sees() -> None:
             out = op(*args)  # noqa: F841 (held: the replay's net is the output)
         peak, held = recorded.replay(0, None)
         assert 0 < peak - held <= attention_scratch_bytes(nodes[op]) < batch * heads * t * t * 4
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "permuted", "one_word"])
+def test_packed_masks_unpack_to_the_same_mask(layout: str) -> None:
+    """A mask packed eight to a byte unpacks to the same values in the same layout."""
+    from rkgraph.dropout import CHUNK_WORDS, pack_mask, unpack_mask
+    torch.manual_seed(0)
+    if layout == "contiguous":  # more words than a chunk, and not a whole number of chunks
+        mask = torch.rand(3, CHUNK_WORDS + 5, 8) < 0.9
+    elif layout == "permuted":  # dense, not contiguous: packed in memory order
+        mask = (torch.rand(4, 6, 16, 8) < 0.5).permute(0, 2, 1, 3)
+    else:
+        mask = torch.tensor([True, False, False, True, True, True, False, True])
+    packed = pack_mask(mask)
+    assert packed.dtype == torch.uint8 and packed.numel() == mask.numel() // 8
+    unpacked = unpack_mask(packed, list(mask.shape), list(mask.stride()))
+    assert unpacked.stride() == mask.stride() and torch.equal(unpacked, mask)
+    assert unpacked.view(torch.uint8).max() <= 1  # a bool's byte is 0 or 1
+    if layout == "one_word":
+        assert packed.tolist() == [0b10111001]  # element i is bit i
+
+
+def test_lean_variant_keeps_the_backwards_masks_packed() -> None:
+    """In GPT's lean variant every mask the backward reads reaches it unpacked from its packed
+    copy, and the loss and gradients are those of autograd's graph, bit for bit."""
+    from rkgraph.capture import capture_joint, lean_variant
+    model, args, kwargs, loss_fn = zoo.make("gpt", "tiny")
+    model = zoo.WithLoss(model, loss_fn)
+    joint = capture_joint(model, args)
+    lean = lean_variant(joint)
+    ops = torch.ops.rkgraph
+    masks = list(lean.module.graph.find_nodes(op="call_function", target=ops.dropout_mask.default))
+    assert len(masks) == 7  # embedding, and per layer attention and two residual branches
+    for mask in masks:
+        assert all(not rkgraph.build.is_backward(u) for u in mask.users)
+        (packed,) = [u for u in mask.users if u.target is ops.pack_mask.default]
+        (unpacked,) = packed.users
+        assert unpacked.target is ops.unpack_mask.default and rkgraph.build.is_backward(unpacked)
+    expected, got = _joint_outputs(joint, model, args), _joint_outputs(lean, model, args)
+    assert len(got) == len(expected)
+    for e, g in zip(expected, got, strict=True):
+        assert torch.equal(g, e)
+    # What the variant holds: each stored mask an eighth of its bytes.
+    graph = rkgraph.build_graph(lean)
+    for mask in masks:
+        packed = next(u for u in mask.users if u.target is ops.pack_mask.default)
+        assert graph.data[packed.name].size * 8 == graph.data[mask.name].size
+
+
+def test_mask_packing_scratch_bound_is_what_the_allocator_sees() -> None:
+    from rkgraph.dropout import packing_scratch_bytes
+    mask = torch.rand(4, 6, 256, 256) < 0.9
+    ops = torch.ops.rkgraph
+    gm = make_fx(lambda m: ops.unpack_mask(ops.pack_mask(m), list(m.shape), list(m.stride())),
+                 tracing_mode="fake")(mask)
+    pack, unpack = (n for n in gm.graph.nodes if n.op == "call_function")
+    packed = ops.pack_mask(mask)
+    for op, args, node in ((ops.pack_mask.default, (mask,), pack),
+                           (ops.unpack_mask.default, (packed, list(mask.shape), list(mask.stride())), unpack)):
+        op(*args)  # warm-up
+        with AllocatorEvents("cpu") as recorded:
+            out = op(*args)  # noqa: F841 (held: the replay's net is the output)
+        peak, held = recorded.replay(0, None)
+        assert 0 < peak - held <= packing_scratch_bytes(node) < mask.numel()

@@ -401,7 +401,7 @@ def test_a_plan_reuses_another_plans_profile() -> None:
 def test_long_sequences_plan_with_attention_fused() -> None:
     """A GPT whose attention probabilities outweigh its activations (sequence 256, width 32):
     under a tight budget the plan runs the graph whose attention makes its probabilities again
-    in the backward. Same loss and gradients, bit for bit, as the unfused graph storing
+    in the backward (and whose masks are kept packed). Same loss and gradients, bit for bit, as the unfused graph storing
     everything; the measured peak within the budget; overheads against that graph."""
     torch.manual_seed(0)
     model = zoo.GPT(vocab_size=128, block_size=256, n_layer=2, n_head=4, n_embd=32, dropout=0.1)
@@ -423,6 +423,10 @@ def test_long_sequences_plan_with_attention_fused() -> None:
     forward, backward = (next(n for n in rk.graph.nodes if n.op == f"rkgraph.{op}.default")
                          for op in ("attention", "attention_backward"))
     assert 0 < forward.time < backward.time
+    # Its masks kept packed: the unpacking, a lookup, is priced far below the attention.
+    assert "masks packed" in rk.explain()
+    unpacks = [n for n in rk.graph.nodes if n.op == "rkgraph.unpack_mask.default"]
+    assert len(unpacks) == 7 and all(0 < n.time < forward.time / 10 and n.backward for n in unpacks)
     planned = measure_step(_step, rk, args, kwargs)
     torch.testing.assert_close(planned.result, _step(stored, args, kwargs), rtol=0, atol=0)
     _assert_same_state(model, stored_model)
