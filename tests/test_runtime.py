@@ -398,11 +398,29 @@ def test_a_plan_reuses_another_plans_profile() -> None:
             Rockmate(other, (other_args, other_kwargs), 1.0, solver="store_all", profile=times)
 
 
+def test_lean_plan_exports_and_reloads(tmp_path) -> None:
+    """A plan of the lean variant written to a file plans nothing when reloaded: autograd's
+    graph does not match it, the lean variant does; the same schedule, loss and gradients."""
+    torch.manual_seed(0)
+    model = zoo.GPT(vocab_size=128, block_size=256, n_layer=2, n_head=4, n_embd=32, dropout=0.1)
+    args, kwargs = (torch.randint(0, 128, (2, 256)),), {}
+    copied = copy.deepcopy(model)
+    rk = Rockmate(model, (args, kwargs), 0.5, profile="estimate", solver_options=SOLVER_OPTIONS)
+    assert "masks packed" in rk.explain()
+    path = rk.export(tmp_path / "plan.json")
+    reloaded = Rockmate(copied, (args, kwargs), 0.5, profile="estimate", schedule=path)
+    assert [str(op) for op in reloaded.schedule.ops] == [str(op) for op in rk.schedule.ops]
+    planned, again = measure_step(_step, rk, args, kwargs), measure_step(_step, reloaded, args, kwargs)
+    torch.testing.assert_close(again.result, planned.result, rtol=0, atol=0)
+    _assert_same_state(model, copied)
+
+
 def test_long_sequences_plan_with_attention_fused() -> None:
     """A GPT whose attention probabilities outweigh its activations (sequence 256, width 32):
     under a tight budget the plan runs the graph whose attention makes its probabilities again
-    in the backward (and whose masks are kept packed). Same loss and gradients, bit for bit, as the unfused graph storing
-    everything; the measured peak within the budget; overheads against that graph."""
+    in the backward (and whose masks are kept packed). Same loss and gradients, bit for bit, as
+    the unfused graph storing everything; the measured peak within the budget; overheads against
+    that graph."""
     torch.manual_seed(0)
     model = zoo.GPT(vocab_size=128, block_size=256, n_layer=2, n_head=4, n_embd=32, dropout=0.1)
     args, kwargs = (torch.randint(0, 128, (2, 256)),), {}
