@@ -34,6 +34,7 @@ from rkgraph.cross_entropy import fuse_cross_entropy_backward
 from rkgraph.dropout import pack_saved_masks, split_dropout
 from rkgraph.graph import RematGraph
 from rkgraph.linear_cross_entropy import fuse_linear_cross_entropy
+from rkgraph.mm_gelu import fuse_mm_gelu_backward
 
 log = logging.getLogger(__name__)
 
@@ -265,9 +266,10 @@ def joint_graph(flat: FlatCall, joint: fx.GraphModule, num_fwd_outputs: int) -> 
     """Wrap AOTAutograd's joint graph, rewritten in place for memory: dropout split so that
     its output is cheap to recompute, cross-entropy's backward fused (one logits-sized
     gradient instead of two), a head matmul and its cross-entropy fused (the logits made and
-    used a chunk of rows at a time)."""
-    # Fusing the head reads the fused backward; `+` runs all three, in order.
-    if split_dropout(joint) + fuse_cross_entropy_backward(joint) + fuse_linear_cross_entropy(joint):
+    used a chunk of rows at a time), GELU's backward written into the product before it."""
+    # Fusing the head reads the fused backward; `+` runs them all, in order.
+    if (split_dropout(joint) + fuse_cross_entropy_backward(joint) + fuse_linear_cross_entropy(joint)
+            + fuse_mm_gelu_backward(joint)):
         joint.graph.lint()
         joint.recompile()
     kinds = ["param"] * len(flat.param_names) + ["buffer"] * len(flat.buffer_names)

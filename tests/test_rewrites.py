@@ -413,3 +413,32 @@ def test_mask_packing_scratch_bound_is_what_the_allocator_sees() -> None:
             out = op(*args)  # noqa: F841 (held: the replay's net is the output)
         peak, held = recorded.replay(0, None)
         assert 0 < peak - held <= packing_scratch_bytes(node) < mask.numel()
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_backward_written_into_its_product_makes_the_same_bits(approximate: str) -> None:
+    """A linear layer and GELU on 3-D input (the product seen through reshapes): the captured
+    graph's `gelu_backward` and the product before it become one `mm_gelu_backward`, with the
+    same loss and gradients, bit for bit, as the graph without the rewrite."""
+    import rkgraph.mm_gelu
+    from rkgraph.capture import capture_joint
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(approximate=approximate),
+                                torch.nn.Linear(64, 16))
+    args = (torch.randn(4, 10, 16),)
+    joint = capture_joint(model, args)
+    targets = [n.target for n in joint.module.graph.nodes]
+    assert targets.count(torch.ops.rkgraph.mm_gelu_backward.default) == 1
+    assert aten.gelu_backward.default not in targets
+    capture_module = sys.modules["rkgraph.capture"]
+    fuse = capture_module.fuse_mm_gelu_backward
+    capture_module.fuse_mm_gelu_backward = lambda gm: 0
+    try:
+        plain = capture_joint(model, args)
+    finally:
+        capture_module.fuse_mm_gelu_backward = fuse
+    assert aten.gelu_backward.default in [n.target for n in plain.module.graph.nodes]
+    expected, got = _joint_outputs(plain, model, args), _joint_outputs(joint, model, args)
+    assert len(got) == len(expected) == 5  # the output and the four parameters' gradients
+    for e, g in zip(expected, got, strict=True):
+        assert torch.equal(g, e)
+    assert rkgraph.mm_gelu.fuse_mm_gelu_backward(joint.module) == 0  # nothing left to fuse

@@ -23,10 +23,15 @@ Measured on CPU (torch 2.13), "tiny" sizes; eager / predicted:
   tracing, so the graph runs eager's kernel and its native backward. Traced through the
   decomposition (its four-corner gather and blend allocate several full-size temporaries
   each way), the ratio was 0.837.
+
+The graphs here are captured without `rkgraph.mm_gelu`'s rewrite (eager makes GELU's incoming
+gradient and GELU's backward as two tensors; rockplan writes one into the other: the mlp's
+store-all peak 0.81 of eager's with it).
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import pytest
@@ -41,6 +46,11 @@ from rockplan import zoo
 from rockplan.memory import measure_step
 
 TOLERANCE = 0.05
+
+
+@pytest.fixture(autouse=True)
+def _gelu_backward_as_eager_runs_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys.modules["rkgraph.capture"], "fuse_mm_gelu_backward", lambda gm: 0)
 
 
 def eager_peak(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
