@@ -30,6 +30,8 @@ import operator
 import torch
 from torch import fx
 
+from rkgraph.build import is_backward
+
 aten = torch.ops.aten
 
 
@@ -225,10 +227,6 @@ def packing_scratch_bytes(node: fx.Node) -> int:
     return min(node.args[0].meta["val"].numel(), CHUNK_WORDS) * 4
 
 
-def _is_backward(node: fx.Node) -> bool:
-    return node.meta.get("partitioner_tag") == "is_backward"
-
-
 def pack_saved_masks(gm: fx.GraphModule) -> int:
     """Keep every mask of `gm`'s joint graph that the backward reads packed: `pack_mask` after
     its draw, `unpack_mask` before its first reader in the backward, which then reads that
@@ -236,7 +234,7 @@ def pack_saved_masks(gm: fx.GraphModule) -> int:
     graph, count = gm.graph, 0
     order = {n: i for i, n in enumerate(graph.nodes)}
     for mask in list(graph.find_nodes(op="call_function", target=torch.ops.rkgraph.dropout_mask.default)):
-        readers = sorted((u for u in mask.users if _is_backward(u)), key=order.__getitem__)
+        readers = sorted((u for u in mask.users if is_backward(u)), key=order.__getitem__)
         if not readers or not _packable(mask.meta.get("val")):
             continue
         val = mask.meta["val"]
