@@ -31,6 +31,7 @@ import torch
 from torch import fx
 
 from rkgraph.build import is_backward
+from rkgraph.linear_cross_entropy import _call, _positions
 
 aten = torch.ops.aten
 
@@ -232,23 +233,19 @@ def pack_saved_masks(gm: fx.GraphModule) -> int:
     its draw, `unpack_mask` before its first reader in the backward, which then reads that
     (the caller recompiles). Returns how many masks."""
     graph, count = gm.graph, 0
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = _positions(graph)
     for mask in list(graph.find_nodes(op="call_function", target=torch.ops.rkgraph.dropout_mask.default)):
         readers = sorted((u for u in mask.users if is_backward(u)), key=order.__getitem__)
         if not readers or not _packable(mask.meta.get("val")):
             continue
         val = mask.meta["val"]
         with graph.inserting_after(mask):
-            packed = graph.call_function(torch.ops.rkgraph.pack_mask.default, (mask,))
-        with val.fake_mode:
-            packed.meta = {**mask.meta, "val": pack_mask(val)}
-        with graph.inserting_before(readers[0]):
-            unpacked = graph.call_function(torch.ops.rkgraph.unpack_mask.default,
-                                           (packed, list(val.shape), list(val.stride())))
+            packed = _call(graph, torch.ops.rkgraph.pack_mask.default, (mask,), {}, mask.meta)
         # The reader's tags (backward, module), not what it was made of ("replaces").
         meta = {key: value for key, value in readers[0].meta.items() if key != "replaces"}
-        with val.fake_mode:  # its own fake value: a storage of its own
-            unpacked.meta = {**meta, "val": unpack_mask(packed.meta["val"], list(val.shape), list(val.stride()))}
+        with graph.inserting_before(readers[0]):
+            unpacked = _call(graph, torch.ops.rkgraph.unpack_mask.default,
+                             (packed, list(val.shape), list(val.stride())), {}, meta)
         for reader in readers:
             reader.replace_input_with(mask, unpacked)
         count += 1

@@ -416,7 +416,9 @@ def test_mask_packing_scratch_bound_is_what_the_allocator_sees() -> None:
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
-def test_gelu_backward_written_into_its_product_makes_the_same_bits(approximate: str) -> None:
+def test_gelu_backward_written_into_its_product_makes_the_same_bits(
+    approximate: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A linear layer and GELU on 3-D input (the product seen through reshapes): the captured
     graph's `gelu_backward` and the product before it become one `mm_gelu_backward`, with the
     same loss and gradients, bit for bit, as the graph without the rewrite."""
@@ -429,13 +431,9 @@ def test_gelu_backward_written_into_its_product_makes_the_same_bits(approximate:
     targets = [n.target for n in joint.module.graph.nodes]
     assert targets.count(torch.ops.rkgraph.mm_gelu_backward.default) == 1
     assert aten.gelu_backward.default not in targets
-    capture_module = sys.modules["rkgraph.capture"]
-    fuse = capture_module.fuse_mm_gelu_backward
-    capture_module.fuse_mm_gelu_backward = lambda gm: 0
-    try:
+    with monkeypatch.context() as patched:
+        patched.setattr(sys.modules["rkgraph.capture"], "fuse_mm_gelu_backward", lambda gm: 0)
         plain = capture_joint(model, args)
-    finally:
-        capture_module.fuse_mm_gelu_backward = fuse
     assert aten.gelu_backward.default in [n.target for n in plain.module.graph.nodes]
     expected, got = _joint_outputs(plain, model, args), _joint_outputs(joint, model, args)
     assert len(got) == len(expected) == 5  # the output and the four parameters' gradients
