@@ -30,7 +30,7 @@ from torch import fx
 from torch.utils.flop_counter import register_flop_formula
 
 from rkgraph.dropout import apply_dropout_mask_into
-from rkgraph.linear_cross_entropy import _call, _erase_unused, _only_user, _positions, _views_of
+from rkgraph.rewrite import RESHAPES, call, detach_chains, erase_unused, only_user, positions
 
 aten = torch.ops.aten
 
@@ -144,14 +144,14 @@ def scratch_bytes(node: fx.Node) -> int:
 
 # --- the rewrite ---------------------------------------------------------------------------
 
-_RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default)
+_RESHAPES = (*RESHAPES, aten.expand.default)
 _SOFTMAXES = (aten._safe_softmax.default, aten._softmax.default)
 
 
 def _through_reshapes(node: fx.Node, shape: tuple) -> fx.Node | None:
     """Follow single-user reshapes from `node` to the one whose value has `shape`."""
     while tuple(node.meta["val"].shape) != shape:
-        node = _only_user(node)
+        node = only_user(node)
         if node is None or node.target not in _RESHAPES:
             return None
     return node
@@ -200,14 +200,14 @@ def _fuse(graph: fx.Graph, sm: fx.Node) -> bool:
         return False
     product = scores.args[0]
     q, kt = product.args
-    saved = _views_of(sm)
+    saved = detach_chains(sm)
     forward_users = [u for u in sm.users if u not in saved]
     if len(forward_users) != 1:
         return False
     after, dropped, mask, scale = forward_users[0], sm, None, 1.0
     if after.target is torch.ops.rkgraph.apply_dropout_mask.default:
         dropped, (_, mask, scale) = after, after.args
-        after = _only_user(dropped)
+        after = only_user(dropped)
     probs3 = _through_reshapes(after, shape3) if after is not None and after.target in _RESHAPES else None
     if probs3 is None or len(probs3.users) != 2:
         return False
@@ -218,7 +218,7 @@ def _fuse(graph: fx.Graph, sm: fx.Node) -> bool:
     v = out.args[1]
     # The backward: grad_v = bmm(t(probs3), g); grad_probs = bmm(g, t(v)), (dropout), softmax's
     # backward against the saved softmax, reshaped, then bmm(., t(kt)) and bmm(t(q), .).
-    grad_v = _only_user(t_probs)
+    grad_v = only_user(t_probs)
     if grad_v is None or grad_v.target is not aten.bmm.default or grad_v.args[0] is not t_probs:
         return False
     grad = grad_v.args[1]
@@ -240,7 +240,7 @@ def _fuse(graph: fx.Graph, sm: fx.Node) -> bool:
         or _transposed(grad_probs.args[1]) is not v or len(grad_probs.args[1].users) != 1
     ):
         return False
-    grad_scores = _through_reshapes(_only_user(softmax_backward) or softmax_backward, shape3)
+    grad_scores = _through_reshapes(only_user(softmax_backward) or softmax_backward, shape3)
     if grad_scores is None or len(grad_scores.users) != 2:
         return False
     grad_q = next((u for u in grad_scores.users if u.target is aten.bmm.default and u.args[0] is grad_scores
@@ -249,15 +249,15 @@ def _fuse(graph: fx.Graph, sm: fx.Node) -> bool:
                     and _transposed(u.args[0]) is q), None)
     if grad_q is None or grad_kt is None:
         return False
-    call = (q, kt, v, bias, mask, scale, heads, sm.target is aten._safe_softmax.default)
+    op_args = (q, kt, v, bias, mask, scale, heads, sm.target is aten._safe_softmax.default)
     with graph.inserting_before(out):
-        fused = _call(graph, torch.ops.rkgraph.attention.default, call, {}, out.meta)
+        fused = call(graph, torch.ops.rkgraph.attention.default, op_args, {}, out.meta)
     out.replace_all_uses_with(fused)
-    positions = _positions(graph)
-    first = min((grad_probs, grad_v, t_probs), key=positions.__getitem__)
+    order = positions(graph)
+    first = min((grad_probs, grad_v, t_probs), key=order.__getitem__)
     with graph.inserting_before(first):
-        backward = _call(graph, torch.ops.rkgraph.attention_backward.default, (grad, *call), {}, grad_v.meta)
-        items = [_call(graph, operator.getitem, (backward, i), {}, grad_v.meta) for i in range(3)]
+        backward = call(graph, torch.ops.rkgraph.attention_backward.default, (grad, *op_args), {}, grad_v.meta)
+        items = [call(graph, operator.getitem, (backward, i), {}, grad_v.meta) for i in range(3)]
     for old, new in zip((grad_q, grad_kt, grad_v), items):
         old.replace_all_uses_with(new)
     dead = [grad_q, grad_kt, *grad_q.args, *grad_kt.args, grad_scores, softmax_backward, grad_v, t_probs,
@@ -278,7 +278,7 @@ def _fuse(graph: fx.Graph, sm: fx.Node) -> bool:
     dead += [a for a in sm.args if isinstance(a, fx.Node)]
     backward_of = {n.name: n.meta.get("partitioner_tag") == "is_backward" for n in dead if isinstance(n, fx.Node)}
     out_name = out.name
-    _erase_unused(graph, dead)
+    erase_unused(graph, dead)
     left = {n.name for n in graph.nodes}
     erased = {name: backward for name, backward in backward_of.items() if name not in left}
     # What each op runs, by the names of the ops it replaced (their profiled times price it):

@@ -31,7 +31,7 @@ import torch
 from torch import fx
 
 from rkgraph.build import is_backward
-from rkgraph.linear_cross_entropy import _call, _positions
+from rkgraph.rewrite import call, positions
 
 aten = torch.ops.aten
 
@@ -233,19 +233,19 @@ def pack_saved_masks(gm: fx.GraphModule) -> int:
     its draw, `unpack_mask` before its first reader in the backward, which then reads that
     (the caller recompiles). Returns how many masks."""
     graph, count = gm.graph, 0
-    order = _positions(graph)
+    order = positions(graph)
     for mask in list(graph.find_nodes(op="call_function", target=torch.ops.rkgraph.dropout_mask.default)):
         readers = sorted((u for u in mask.users if is_backward(u)), key=order.__getitem__)
         if not readers or not _packable(mask.meta.get("val")):
             continue
         val = mask.meta["val"]
         with graph.inserting_after(mask):
-            packed = _call(graph, torch.ops.rkgraph.pack_mask.default, (mask,), {}, mask.meta)
+            packed = call(graph, torch.ops.rkgraph.pack_mask.default, (mask,), {}, mask.meta)
         # The reader's tags (backward, module), not what it was made of ("replaces").
         meta = {key: value for key, value in readers[0].meta.items() if key != "replaces"}
         with graph.inserting_before(readers[0]):
-            unpacked = _call(graph, torch.ops.rkgraph.unpack_mask.default,
-                             (packed, list(val.shape), list(val.stride())), {}, meta)
+            unpacked = call(graph, torch.ops.rkgraph.unpack_mask.default,
+                            (packed, list(val.shape), list(val.stride())), {}, meta)
         for reader in readers:
             reader.replace_input_with(mask, unpacked)
         count += 1

@@ -30,6 +30,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from rkgraph.build import is_view
 from rkgraph.cross_entropy import _MEAN, _SUM
+from rkgraph.rewrite import RESHAPES, call, detach_chains, erase_unused, only_user, positions
 
 aten = torch.ops.aten
 
@@ -109,13 +110,8 @@ def scratch_bytes(node: fx.Node) -> int:
 
 
 # Ops that move or copy whole rows of the logits, keeping their last (class) dimension.
-_ROW_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-_ROW_OPS = (*_ROW_VIEWS, aten.slice.Tensor, aten.clone.default)
-_GRAD_ROW_OPS = (*_ROW_VIEWS, aten.slice_backward.default)
-
-
-def _only_user(node: fx.Node) -> fx.Node | None:
-    return next(iter(node.users)) if len(node.users) == 1 else None
+_ROW_OPS = (*RESHAPES, aten.slice.Tensor, aten.clone.default)
+_GRAD_ROW_OPS = (*RESHAPES, aten.slice_backward.default)
 
 
 def _row_args(node: fx.Node) -> tuple | None:
@@ -124,7 +120,7 @@ def _row_args(node: fx.Node) -> tuple | None:
     val = node.meta["val"]
     classes, last = val.shape[-1], val.dim() - 1
     args = list(node.args)
-    if node.target in _ROW_VIEWS or node.target is aten.slice_backward.default:
+    if node.target in RESHAPES or node.target is aten.slice_backward.default:
         if node.args[0].meta["val"].shape[-1] != classes:
             return None
         # The output's shape, not the argument's: a view's may hold a -1.
@@ -141,12 +137,12 @@ def _row_args(node: fx.Node) -> tuple | None:
 
 def _chain(start: fx.Node, stop: fx.Node, ops: tuple) -> list[fx.Node] | None:
     """The single-user nodes of `ops` leading from `start` to `stop` (both left out), or None."""
-    chain, node = [], _only_user(start)
+    chain, node = [], only_user(start)
     while node is not None and node is not stop:
         if node.target not in ops or _row_args(node) is None:
             return None
         chain.append(node)
-        node = _only_user(node)
+        node = only_user(node)
     return chain if node is stop else None
 
 
@@ -174,21 +170,6 @@ def _row_selection(head: fx.Node, rows_chain: list[fx.Node], grad_chain: list[fx
         return torch.equal(rows, torch.arange(count))
 
 
-def _call(graph: fx.Graph, target: object, args: tuple, kwargs: dict, meta: dict) -> fx.Node:
-    """A new node of `graph` with `meta` and its value computed on the inputs' fake values."""
-    node = graph.call_function(target, args, kwargs)
-    vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
-    with meta["val"].fake_mode if isinstance(meta["val"], torch.Tensor) else meta["val"][0].fake_mode:
-        node.meta = {**meta, "val": target(*vals, **kwargs)}
-    return node
-
-
-def _views_of(node: fx.Node) -> list[fx.Node]:
-    """The detach chains hanging off `node` (AOTAutograd's, for values the backward saves)."""
-    views = [u for u in node.users if u.target is aten.detach.default]
-    return [*views, *(w for v in views for w in _views_of(v))]
-
-
 def fuse_linear_cross_entropy(gm: fx.GraphModule) -> int:
     """Replace each head matmul and cross-entropy of `gm`'s joint graph, with its backward
     (`rkgraph.log_softmax_nll_backward`, so run `fuse_cross_entropy_backward` first), by
@@ -205,7 +186,7 @@ def _fuse(graph: fx.Graph, nll: fx.Node) -> bool:
         or log_probs.args[1:] != (1, False) or log_probs.meta["val"].dtype not in (torch.float32, torch.float64)
     ):
         return False
-    detached = _views_of(log_probs)
+    detached = detach_chains(log_probs)
     fused = [u for u in log_probs.users if u is not nll and u not in detached]
     if len(fused) != 1 or fused[0].target is not torch.ops.rkgraph.log_softmax_nll_backward.default:
         return False
@@ -228,7 +209,7 @@ def _fuse(graph: fx.Graph, nll: fx.Node) -> bool:
     rows_chain = _chain(head, log_probs, _ROW_OPS)
     # The backward: the fused gradient, moved back to the head's rows, then the two products.
     grad_logits, grad_chain = fused, []
-    while (user := _only_user(grad_logits)) is not None and user.target in _GRAD_ROW_OPS:
+    while (user := only_user(grad_logits)) is not None and user.target in _GRAD_ROW_OPS:
         if _row_args(user) is None:
             return False
         grad_logits = user
@@ -245,25 +226,25 @@ def _fuse(graph: fx.Graph, nll: fx.Node) -> bool:
         if not all_rows:
             count = head.meta["val"].shape[0]
             device = x.meta["val"].device
-            rows_node = _call(graph, aten.arange.default, (count,), {"dtype": torch.int64, "device": device}, nll.meta)
-            rows_node = _call(graph, aten.view.default, (rows_node, [count, 1]), {}, nll.meta)
+            rows_node = call(graph, aten.arange.default, (count,), {"dtype": torch.int64, "device": device}, nll.meta)
+            rows_node = call(graph, aten.view.default, (rows_node, [count, 1]), {}, nll.meta)
             for node in rows_chain:
-                rows_node = _call(graph, node.target, (rows_node, *_row_args(node)[1:]), dict(node.kwargs), nll.meta)
-            rows_node = _call(graph, aten.view.default, (rows_node, [-1]), {}, nll.meta)
-        call = (x, wt, rows_node, target, reduction, ignore_index, CHUNK_ROWS)
-        op = _call(graph, torch.ops.rkgraph.linear_cross_entropy.default, call, {}, nll.meta)
-        items = [_call(graph, operator.getitem, (op, i), {}, nll.meta) for i in range(4)]
+                rows_node = call(graph, node.target, (rows_node, *_row_args(node)[1:]), dict(node.kwargs), nll.meta)
+            rows_node = call(graph, aten.view.default, (rows_node, [-1]), {}, nll.meta)
+        op_args = (x, wt, rows_node, target, reduction, ignore_index, CHUNK_ROWS)
+        op = call(graph, torch.ops.rkgraph.linear_cross_entropy.default, op_args, {}, nll.meta)
+        items = [call(graph, operator.getitem, (op, i), {}, nll.meta) for i in range(4)]
     loss_grad = fused.args[0]
     for old, unit in ((grad_x_mm, items[2]), (grad_wt_mm, items[3])):
         with graph.inserting_before(old):
-            scaled = _call(graph, aten.mul.Tensor, (unit, loss_grad), {}, old.meta)
+            scaled = call(graph, aten.mul.Tensor, (unit, loss_grad), {}, old.meta)
         old.replace_all_uses_with(scaled)
     _sink(scaled)
     for item in list(nll.users):
         item.replace_all_uses_with(items[item.args[1]])
     dead = [*items, *nll.users, nll, *detached, log_probs, *rows_chain, head, fused, *grad_chain,
             grad_x_mm, grad_wt_mm, *grad_wt_mm.args, *grad_x_mm.args]
-    _erase_unused(graph, dead)
+    erase_unused(graph, dead)
     return True
 
 
@@ -274,9 +255,9 @@ def _sink(scaled: fx.Node) -> None:
     both exist moves from the backward's start, where every saved activation is alive
     (GPT: two [V, E] of 12 MiB at the step's peak), to its end, where few are."""
     moved = [scaled]
-    while (view := _only_user(moved[-1])) is not None and is_view(view):
+    while (view := only_user(moved[-1])) is not None and is_view(view):
         moved.append(view)
-    first = min((u for n in moved for u in n.users if u not in moved), key=_positions(scaled.graph).__getitem__)
+    first = min((u for n in moved for u in n.users if u not in moved), key=positions(scaled.graph).__getitem__)
     for node in moved:
         first.prepend(node)
 
@@ -290,21 +271,10 @@ def _head_backward(grad_logits: fx.Node, x: fx.Node, wt: fx.Node) -> tuple[fx.No
             other = user.args[1]
             if other.target is aten.t.default and other.args[0] is wt:
                 grad_x = user
-        elif user.target is aten.t.default and (mm := _only_user(user)) is not None:
+        elif user.target is aten.t.default and (mm := only_user(user)) is not None:
             if mm.target is aten.mm.default and mm.args == (user, x):
                 grad_wt = mm
     if len(grad_logits.users) != 2 or grad_x is None or grad_wt is None:
         return None, None
     return grad_x, grad_wt
 
-
-def _positions(graph: fx.Graph) -> dict[fx.Node, int]:
-    return {n: i for i, n in enumerate(graph.nodes)}
-
-
-def _erase_unused(graph: fx.Graph, nodes: list) -> None:
-    """Erase, latest first, those of `nodes` nobody reads any more."""
-    for node in sorted({n for n in nodes if isinstance(n, fx.Node) and n.op == "call_function"},
-                       key=_positions(graph).__getitem__, reverse=True):
-        if not node.users:
-            graph.erase_node(node)

@@ -17,11 +17,9 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import register_flop_formula
 
-from rkgraph.linear_cross_entropy import _call, _erase_unused, _only_user
+from rkgraph.rewrite import RESHAPES, call, erase_unused, only_user
 
 aten = torch.ops.aten
-
-_RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
 @torch.library.custom_op("rkgraph::mm_gelu_backward", mutates_args=())
@@ -60,10 +58,10 @@ def _fuse(graph: fx.Graph, node: fx.Node) -> bool:
         return False
     reshapes = []
     product = grad
-    while product.target in _RESHAPES and _only_user(product) is not None:
+    while product.target in RESHAPES and only_user(product) is not None:
         reshapes.append(product)
         product = product.args[0]
-    if product.target is not aten.mm.default or _only_user(product) is None:
+    if product.target is not aten.mm.default or only_user(product) is None:
         return False
     a, b = product.args
     mm_val = product.meta.get("val")
@@ -71,7 +69,7 @@ def _fuse(graph: fx.Graph, node: fx.Node) -> bool:
             and mm_val.numel() == val.numel()):
         return False
     with graph.inserting_before(node):
-        fused = _call(graph, torch.ops.rkgraph.mm_gelu_backward.default, (a, b, h, approximate), {}, node.meta)
+        fused = call(graph, torch.ops.rkgraph.mm_gelu_backward.default, (a, b, h, approximate), {}, node.meta)
     node.replace_all_uses_with(fused)
-    _erase_unused(graph, [node, *reshapes, product])
+    erase_unused(graph, [node, *reshapes, product])
     return True
