@@ -276,15 +276,5 @@ def _fuse(graph: fx.Graph, sm: fx.Node) -> bool:
         node = node.args[0]
         dead.append(node)
     dead += [a for a in sm.args if isinstance(a, fx.Node)]
-    backward_of = {n.name: n.meta.get("partitioner_tag") == "is_backward" for n in dead if isinstance(n, fx.Node)}
-    out_name = out.name
     erase_unused(graph, dead)
-    left = {n.name for n in graph.nodes}
-    erased = {name: backward for name, backward in backward_of.items() if name not in left}
-    # What each op runs, by the names of the ops it replaced (their profiled times price it):
-    # the backward also runs the forward's ops again, all but the product with v.
-    forward_ops = tuple(sorted(name for name, backward in erased.items() if not backward))
-    fused.meta["replaces"] = forward_ops
-    backward.meta["replaces"] = (*sorted(name for name, b in erased.items() if b),
-                                 *(name for name in forward_ops if name != out_name))
     return True

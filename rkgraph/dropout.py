@@ -241,11 +241,9 @@ def pack_saved_masks(gm: fx.GraphModule) -> int:
         val = mask.meta["val"]
         with graph.inserting_after(mask):
             packed = call(graph, torch.ops.rkgraph.pack_mask.default, (mask,), {}, mask.meta)
-        # The reader's tags (backward, module), not what it was made of ("replaces").
-        meta = {key: value for key, value in readers[0].meta.items() if key != "replaces"}
-        with graph.inserting_before(readers[0]):
+        with graph.inserting_before(readers[0]):  # with the reader's tags (backward, module)
             unpacked = call(graph, torch.ops.rkgraph.unpack_mask.default,
-                            (packed, list(val.shape), list(val.stride())), {}, meta)
+                            (packed, list(val.shape), list(val.stride())), {}, readers[0].meta)
         for reader in readers:
             reader.replace_input_with(mask, unpacked)
         count += 1

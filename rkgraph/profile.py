@@ -18,7 +18,7 @@ import operator
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 
 import torch
@@ -181,10 +181,12 @@ def _replays(
 
 
 def measure_times(
-    graph: RematGraph, joint: fx.GraphModule, inputs: Sequence[torch.Tensor], repeats: int = 3
+    graph: RematGraph, joint: fx.GraphModule, inputs: Sequence[torch.Tensor], repeats: int = 3,
+    only: Collection[str] | None = None,
 ) -> None:
-    """Fill `time` of every compute node: the sum over its ops of each op's median time over
-    `repeats` replays of the whole graph in order, after one untimed replay.
+    """Fill `time` of every compute node (or of those named in `only`): the sum over its ops of
+    each op's median time over `repeats` replays of the whole graph in order, after one
+    untimed replay.
 
     `inputs` are the joint graph's placeholders in order (primals, then tangents). Timing whole
     replays, not each op `repeats` times in a row, gives every op the cache state and fresh
@@ -210,7 +212,8 @@ def measure_times(
     timing = True
     _replays(graph, joint, inputs, repeats, timed)
     for node in graph.nodes:
-        node.time = sum(statistics.median(samples[n]) for n in node.fx_nodes if n in samples)
+        if only is None or node.name in only:
+            node.time = sum(statistics.median(samples[n]) for n in node.fx_nodes if n in samples)
 
 
 def estimate_scratch(graph: RematGraph, joint: fx.GraphModule) -> None:
@@ -251,19 +254,17 @@ def measure_scratch(
         node.workspace += scratch[node.name]
 
 
-def share_profile(graph: RematGraph, reference: RematGraph) -> None:
-    """Cost `graph`, a variant of `reference`'s graph (`lean_variant`), from `reference`'s
-    profile, so that plans of both compare on the same costs and the variant needs no run of
-    its own: a node made of the same fx nodes takes its time and workspace; a node whose fx
-    nodes replaced ops of the reference (`meta["replaces"]`, set by the rewrite) takes the time
-    of the reference's nodes made only of those ops (a fused op priced as what it runs)."""
+def share_profile(graph: RematGraph, reference: RematGraph) -> list[str]:
+    """Give each node of `graph`, a variant of `reference`'s graph (`lean_variant`), made of the
+    same fx nodes as one of `reference`'s the time and workspace of that node, so that plans of
+    both compare on the same costs; returns the names of the others, the variant's own nodes
+    (what its rewrites made), for the caller to cost."""
     same = {node.name: node for node in reference.nodes}
-    fx_nodes = {n.name: n for n in graph.joint.module.graph.nodes}
+    own = []
     for node in graph.nodes:
         other = same.get(node.name)
         if other is not None and other.fx_nodes == node.fx_nodes:
             node.time, node.workspace = other.time, other.workspace
-            continue
-        replaced = {name for n in node.fx_nodes for name in fx_nodes[n].meta.get("replaces", ())}
-        if replaced:
-            node.time = sum(o.time for o in reference.nodes if o.fx_nodes and set(o.fx_nodes) <= replaced)
+        else:
+            own.append(node.name)
+    return own

@@ -21,7 +21,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch._dynamo.backends.debugging import boxed_nop
 
-from rkgraph import build_graph, partition, profile_graph, share_profile
+from rkgraph import build_graph, partition, profile_graph
 from rkgraph.capture import (
     FlatCall,
     JointGraph,
@@ -186,7 +186,9 @@ class Rockmate(nn.Module):
                 self.plan_file is None and chosen["schedule"].predicted_time > store_all.predicted_time)
             lean = lean_variant(joint) if needs_less_memory and self.backend != "inductor" else None
             if lean is not None:
-                lean_graph = self._graph(lean, real, "estimate", shared=graph)
+                # Its own ops timed in place, unless the reference's times are estimates.
+                own_times = "estimate" if self.profile == "estimate" else "measure"
+                lean_graph = self._graph(lean, real, own_times, shared=graph)
                 # No use solving it when its proven floor is above the plan in hand.
                 hopeless = chosen is not None and time_lower_bound(
                     lean_graph, budget - chosen["reserved"])[0] >= chosen["schedule"].predicted_time
@@ -227,14 +229,12 @@ class Rockmate(nn.Module):
 
     def _graph(self, joint: JointGraph, real: list[torch.Tensor], profile: Any,
                shared: RematGraph | None = None) -> RematGraph:
-        """The RematGraph of `joint` with its costs; a variant of `shared`'s graph is costed from
-        `shared`'s profile (`rkgraph.share_profile`)."""
+        """The RematGraph of `joint` with its costs; a variant of `shared`'s graph shares its
+        costs where it runs the same ops (`rkgraph.profile_graph`'s `reference`)."""
         # Inductor compiles the graphs whole, so it cannot call our RNG replay: random ops run once.
         graph = build_graph(joint, name=type(self.model).__name__, replay_rng=self.backend != "inductor")
         graph.joint = joint
-        profile_graph(graph, joint, real, profile)
-        if shared is not None:
-            share_profile(graph, shared)
+        profile_graph(graph, joint, real, profile, reference=shared)
         partition(graph)
         return graph
 
