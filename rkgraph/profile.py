@@ -18,7 +18,7 @@ import operator
 import os
 import statistics
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 
 import torch
@@ -181,12 +181,10 @@ def _replays(
 
 
 def measure_times(
-    graph: RematGraph, joint: fx.GraphModule, inputs: Sequence[torch.Tensor], repeats: int = 3,
-    only: Collection[str] | None = None,
+    graph: RematGraph, joint: fx.GraphModule, inputs: Sequence[torch.Tensor], repeats: int = 3
 ) -> None:
-    """Fill `time` of every compute node (or of those named in `only`): the sum over its ops of
-    each op's median time over `repeats` replays of the whole graph in order, after one
-    untimed replay.
+    """Fill `time` of every compute node: the sum over its ops of each op's median time over
+    `repeats` replays of the whole graph in order, after one untimed replay.
 
     `inputs` are the joint graph's placeholders in order (primals, then tangents). Timing whole
     replays, not each op `repeats` times in a row, gives every op the cache state and fresh
@@ -212,8 +210,7 @@ def measure_times(
     timing = True
     _replays(graph, joint, inputs, repeats, timed)
     for node in graph.nodes:
-        if only is None or node.name in only:
-            node.time = sum(statistics.median(samples[n]) for n in node.fx_nodes if n in samples)
+        node.time = sum(statistics.median(samples[n]) for n in node.fx_nodes if n in samples)
 
 
 def estimate_scratch(graph: RematGraph, joint: fx.GraphModule) -> None:
