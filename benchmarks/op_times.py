@@ -51,6 +51,7 @@ class _Timed(fx.Interpreter):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt")
+    parser.add_argument("--size", default="default", choices=["tiny", "default"])
     parser.add_argument("--budget", type=float, default=0.35)
     parser.add_argument("--solver", default="rockmate")
     parser.add_argument("--steps", type=int, default=7)
@@ -59,7 +60,7 @@ def main() -> None:
 
     steady_cpu_heap()
     torch.manual_seed(0)
-    model, model_args, kwargs, loss_fn = zoo.make(args.model, "default")
+    model, model_args, kwargs, loss_fn = zoo.make(args.model, args.size)
     model = zoo.WithLoss(model, loss_fn)
     step_times: dict[str, float] = collections.defaultdict(float)
 

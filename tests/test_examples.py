@@ -58,3 +58,20 @@ def test_bench_measures_every_method_that_fits_within_its_budget(tmp_path: Path)
     assert any(r[2] == "torch.compile activation_memory_budget" and r[1].startswith("0.70") and r[3] != "-"
                for r in rows), out.read_text()
     assert out.with_suffix(".png").exists()  # the Pareto plot
+
+
+def test_op_times_compares_every_planned_op_with_its_time_in_a_step() -> None:
+    """benchmarks/op_times.py on the tiny GPT: for the store-all step and the plan, the
+    predicted total and the ops' total in real steps, and per op kind both columns."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "op_times.py"), "--size", "tiny",
+                           "--budget", "0.5", "--steps", "1", "--rows", "100"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    totals = [line for line in done.stdout.splitlines() if ": predicted " in line]
+    assert [t.split(":")[0] for t in totals] == ["store all", "plan"], done.stdout
+    for line in totals:
+        parts = line.split("predicted ")[1].split(", its ops in the step ")
+        predicted, in_step = (float(part.split()[0]) for part in parts)
+        assert predicted > 0 and in_step > 0, line
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith("  aten.mm.default")]
+    assert len(rows) == 2 and all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows), done.stdout
