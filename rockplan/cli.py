@@ -172,7 +172,8 @@ def _explain(args: argparse.Namespace) -> int:
         plan = read_plan(args.plan)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    print(explain(plan.graph, plan.schedule, solve_store_all(plan.graph), reference=plan.store_all))
+    print(explain(plan.graph, plan.schedule, solve_store_all(plan.graph), reference=plan.store_all,
+                  considered=plan.considered))
     return 0
 
 

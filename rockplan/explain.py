@@ -10,7 +10,7 @@ classic recipe), with predicted peak and time.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
 
 from rkgraph.capture import lean_rewrites
@@ -51,10 +51,13 @@ def _percent(value: float, reference: float) -> str:
 
 
 def explain(graph: RematGraph, schedule: Schedule, store_all: Schedule,
-            checkpoint_blocks: Schedule | None = None, reference: tuple[int, float] | None = None) -> str:
+            checkpoint_blocks: Schedule | None = None, reference: tuple[int, float] | None = None,
+            considered: Mapping[str, float | str] | None = None) -> str:
     """The table for `schedule` on `graph`; `store_all` is the store-everything schedule.
     `reference`: (peak, time) of autograd's graph storing everything, where `graph` is a
     variant of it (`rkgraph.capture.lean_variant`): overheads and ratios are against it.
+    `considered`: the other graphs planned for the same budget and not run, each with its
+    plan's predicted time or why it has none.
 
     `checkpoint_blocks` (checkpoint every block) is solved here when not given; a graph where
     it cannot run (a random op that would be recomputed) shows it as not applicable.
@@ -136,4 +139,8 @@ def explain(graph: RematGraph, schedule: Schedule, store_all: Schedule,
         lines.append(f"no plan within this budget runs faster than {format_time(floor)} (proven: "
                      f"{100 * (floor / reference_time - 1):+.1f}% over store-all); this plan is "
                      f"{100 * (schedule.predicted_time / floor - 1):.1f}% above that")
+    for name, outcome in (considered or {}).items():
+        lines.append(f"also planned, not run: {name}, " + (
+            f"predicted {format_time(outcome)} ({100 * (outcome / reference_time - 1):+.1f}%)"
+            if isinstance(outcome, float) else outcome))
     return "\n".join(lines)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Protocol
@@ -44,6 +44,7 @@ class Planned(Protocol):
     reserved: int
     store_all_peak: int  # autograd's graph storing everything: the reference of ratios
     store_all_time: float
+    considered: dict[str, float | str]  # the other graph planned and not run
 
 
 @dataclass
@@ -56,6 +57,7 @@ class PlanFile:
     reserved: int
     fingerprint: str
     store_all: tuple[int, float]  # (peak, time) of the reference: autograd's graph storing everything
+    considered: dict[str, float | str] = field(default_factory=dict)  # the other graph planned, not run
 
 
 # --- the graph's identity ---------------------------------------------------------------------
@@ -126,9 +128,11 @@ def _rockplan_version() -> str:
 
 
 def plan_document(graph: RematGraph, schedule: Schedule, reserved: int = 0,
-                  reference: tuple[int, float] | None = None) -> dict[str, Any]:
+                  reference: tuple[int, float] | None = None,
+                  considered: dict[str, float | str] | None = None) -> dict[str, Any]:
     """The JSON object of a plan file (see docs/plan-format.md). `reference`: the (peak, time) of
-    autograd's graph storing everything, where `graph` is a variant of it (`lean_variant`)."""
+    autograd's graph storing everything, where `graph` is a variant of it (`lean_variant`);
+    `considered`: the other graph planned and not run (`Rockmate.considered`)."""
     store_all = solve_store_all(graph)
     reference = reference or (store_all.predicted_peak, store_all.predicted_time)
     decisions = decide(graph, schedule, store_all)
@@ -172,6 +176,7 @@ def plan_document(graph: RematGraph, schedule: Schedule, reserved: int = 0,
         },
         "reserved": reserved,
         "store_all": {"predicted_peak": reference[0], "predicted_time": reference[1]},
+        "considered": dict(considered or {}),
         "summary": {
             "recomputed_nodes": sum(1 for c in decisions.computed.values() if c > 1),
             "recomputations": sum(max(c - 1, 0) for c in decisions.computed.values()),
@@ -184,14 +189,14 @@ def plan_document(graph: RematGraph, schedule: Schedule, reserved: int = 0,
 def export_plan(source: Planned | tuple[RematGraph, Schedule], path: str | Path) -> Path:
     """Write the plan of a `Rockmate` (or of a `(graph, schedule)` pair) to `path` as JSON."""
     if isinstance(source, tuple):
-        (graph, schedule), reserved, reference = source, 0, None
+        (graph, schedule), reserved, reference, considered = source, 0, None, None
     else:
         graph, schedule, reserved = source.graph, source.schedule, source.reserved
-        reference = (source.store_all_peak, source.store_all_time)
+        reference, considered = (source.store_all_peak, source.store_all_time), source.considered
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # Solver diagnostics may hold numpy numbers or enums: written as text rather than refused.
-    path.write_text(json.dumps(plan_document(graph, schedule, reserved, reference), indent=1, default=str))
+    path.write_text(json.dumps(plan_document(graph, schedule, reserved, reference, considered), indent=1, default=str))
     return path
 
 
@@ -232,7 +237,8 @@ def read_plan(path: str | Path) -> PlanFile:
     try:
         return PlanFile(_graph_from_document(obj["graph"]), _schedule_from_document(obj["schedule"]),
                         obj["reserved"], obj["graph"]["fingerprint"],
-                        (obj["store_all"]["predicted_peak"], obj["store_all"]["predicted_time"]))
+                        (obj["store_all"]["predicted_peak"], obj["store_all"]["predicted_time"]),
+                        dict(obj.get("considered", {})))
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path} is a damaged plan file: {type(e).__name__}: {e}") from None
 

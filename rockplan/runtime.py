@@ -12,7 +12,7 @@ import copy
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -59,6 +59,7 @@ class Plan:
     compiled: Any
     flat: FlatCall
     plan_time: float
+    considered: dict[str, float | str] = field(default_factory=dict)  # other graphs planned: time, or why not run
 
 
 def _signature(model: nn.Module, args: tuple, kwargs: dict) -> tuple:
@@ -148,9 +149,15 @@ class Rockmate(nn.Module):
     def store_all_time(self) -> float:
         return self._current.reference.predicted_time
 
+    @property
+    def considered(self) -> dict[str, float | str]:
+        """The other graph planned for this budget and not run: its plan's predicted time in
+        seconds, or why it has none (empty when only one graph was planned)."""
+        return dict(self._current.considered)
+
     def profile_times(self) -> dict[str, float]:
         """Autograd's graph's node times in seconds, by node name (the lean variant is
-        priced from them): `profile=` for another plan of the same model and sample on the same costs."""
+        costed from them): `profile=` for another plan of the same model and sample on the same costs."""
         return dict(self._current.times)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -174,6 +181,7 @@ class Rockmate(nn.Module):
             log.info("planning %s: %d nodes, budget %s (store-all peak %s)", graph.name, len(graph.nodes),
                      format_bytes(budget), format_bytes(store_all.predicted_peak))
             chosen, failure = None, None
+            considered: dict[str, float | str] = {}  # graphs planned but not run: predicted time, or why not
             try:
                 chosen = self._solve(joint, graph, budget, store_all)
             except (InfeasibleBudget, PlanMismatch) as e:
@@ -197,11 +205,18 @@ class Rockmate(nn.Module):
                 except (InfeasibleBudget, PlanMismatch) as e:
                     # Both infeasible: the lean graph needs less, so its bound is the one to state.
                     other, failure = None, e if isinstance(e, InfeasibleBudget) else failure
+                lean_outcome = ("not solved: its proven floor is above the plan of autograd's graph" if hopeless
+                                else "no plan within the budget" if other is None
+                                else other["schedule"].predicted_time)
                 if other is not None and (chosen is None or
                                           other["schedule"].predicted_time < chosen["schedule"].predicted_time):
                     log.info("lean variant: predicted %.3f s, against %s", other["schedule"].predicted_time,
                              "no plan" if chosen is None else f"{chosen['schedule'].predicted_time:.3f} s")
+                    considered["autograd's graph"] = ("no plan within the budget" if chosen is None
+                                                      else chosen["schedule"].predicted_time)
                     chosen = other
+                else:
+                    considered["the lean variant of the graph"] = lean_outcome
             if chosen is None:
                 raise failure
             chosen_joint = chosen.pop("joint")
@@ -212,7 +227,8 @@ class Rockmate(nn.Module):
                          schedule.solver, format_bytes(schedule.predicted_peak),
                          100 * (schedule.predicted_time / store_all.predicted_time - 1),
                          100 * (floor / store_all.predicted_time - 1))
-            result.update(chosen, budget=budget, reference=store_all, times={n.name: n.time for n in graph.nodes})
+            result.update(chosen, budget=budget, reference=store_all, times={n.name: n.time for n in graph.nodes},
+                          considered=considered)
             return generate(chosen_joint, chosen["graph"], chosen["schedule"])
 
         compiler, decompositions = boxed_nop, None
@@ -296,7 +312,7 @@ class Rockmate(nn.Module):
         """A terminal table: per block what is kept and recomputed, and totals against baselines."""
         reference = self._current.reference
         return explain(self.graph, self.schedule, self._current.store_all,
-                       reference=(reference.predicted_peak, reference.predicted_time))
+                       reference=(reference.predicted_peak, reference.predicted_time), considered=self.considered)
 
     def render(self, path: str | Path, collapse: bool | None = None) -> Path:
         """Draw the graph with the decisions coloured (.pdf, .png or .svg)."""

@@ -13,6 +13,7 @@ import torch.utils._pytree as pytree
 from rkgraph import RematGraph
 from rockplan import zoo
 from rockplan.memory import measure_step
+from rockplan.plan_file import read_plan
 from rockplan.runtime import Rockmate
 from solvers import InfeasibleBudget, min_feasible_budget
 
@@ -409,6 +410,7 @@ def test_lean_plan_exports_and_reloads(tmp_path) -> None:
     rk = Rockmate(model, (args, kwargs), 0.5, profile="estimate", solver_options=SOLVER_OPTIONS)
     assert "masks packed" in rk.explain()
     path = rk.export(tmp_path / "plan.json")
+    assert read_plan(path).considered == rk.considered and rk.considered  # autograd's graph, not run
     reloaded = Rockmate(copied, (args, kwargs), 0.5, profile="estimate", schedule=path)
     assert [str(op) for op in reloaded.schedule.ops] == [str(op) for op in rk.schedule.ops]
     planned, again = measure_step(_step, rk, args, kwargs), measure_step(_step, reloaded, args, kwargs)
@@ -467,6 +469,10 @@ def test_long_sequences_plan_with_attention_fused() -> None:
     assert rk.store_all_peak == stored.store_all_peak and rk.store_all_time == stored.store_all_time
     assert rk.profile_times() == {n.name: n.time for n in stored.graph.nodes}
     assert "attention fused" in rk.explain()
+    # The plan of autograd's graph, not run, is reported with why: slower, or none within the budget.
+    (name, outcome), = rk._current.considered.items()
+    assert name == "autograd's graph" and "also planned, not run: autograd's graph, " in rk.explain()
+    assert outcome == "no plan within the budget" or outcome >= rk.schedule.predicted_time
     # The variant shares autograd's graph's costs where it runs the same ops; its own ops are
     # costed as the reference was (estimated here).
     unfused = {n.name: n for n in stored.graph.nodes}
