@@ -100,8 +100,9 @@ def main() -> None:
     def in_step(runs: list[dict[str, float]]) -> dict[str, float]:
         return {kind: statistics.median(run.get(kind, 0.0) for run in runs) for kind in {k for r in runs for k in r}}
 
+    rewrites = lean_rewrites(plan.graph)
     print(f"{args.model} at {args.budget}, {args.solver}: {len(plan.graph.nodes)} nodes"
-          f"{' (lean variant: ' + '; '.join(lean_rewrites(plan.graph)) + ')' if lean_rewrites(plan.graph) else ''}")
+          f"{' (lean variant: ' + '; '.join(rewrites) + ')' if rewrites else ''}")
     for label, module in (("store all", store_all), ("plan", plan)):
         pred, got = predicted(module), in_step(measured[label])
         print(f"\n{label}: predicted {1e3 * sum(pred.values()):.1f} ms, its ops in the step "

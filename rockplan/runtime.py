@@ -12,7 +12,7 @@ import copy
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -59,7 +59,7 @@ class Plan:
     compiled: Any
     flat: FlatCall
     plan_time: float
-    considered: dict[str, float | str] = field(default_factory=dict)  # other graphs planned: time, or why not run
+    considered: dict[str, float | str]  # the other graph planned and not run: its time, or why it has none
 
 
 def _signature(model: nn.Module, args: tuple, kwargs: dict) -> tuple:

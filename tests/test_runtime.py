@@ -470,7 +470,7 @@ def test_long_sequences_plan_with_attention_fused() -> None:
     assert rk.profile_times() == {n.name: n.time for n in stored.graph.nodes}
     assert "attention fused" in rk.explain()
     # The plan of autograd's graph, not run, is reported with why: slower, or none within the budget.
-    (name, outcome), = rk._current.considered.items()
+    (name, outcome), = rk.considered.items()
     assert name == "autograd's graph" and "also planned, not run: autograd's graph, " in rk.explain()
     assert outcome == "no plan within the budget" or outcome >= rk.schedule.predicted_time
     # The variant shares autograd's graph's costs where it runs the same ops; its own ops are
@@ -482,7 +482,7 @@ def test_long_sequences_plan_with_attention_fused() -> None:
     forward, backward = (next(n for n in rk.graph.nodes if n.op == f"rkgraph.{op}.default")
                          for op in ("attention", "attention_backward"))
     assert 0 < forward.time < backward.time
-    # Its masks kept packed: the unpacking, a lookup, is priced far below the attention.
+    # Its masks kept packed: the unpacking, a lookup, is priced under a quarter of the attention.
     assert "masks packed" in rk.explain()
     unpacks = [n for n in rk.graph.nodes if n.op == "rkgraph.unpack_mask.default"]
     assert len(unpacks) == 7 and all(0 < n.time < forward.time / 4 and n.backward for n in unpacks)
