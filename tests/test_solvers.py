@@ -16,6 +16,7 @@ from solvers import (
     InvalidSchedule,
     Op,
     Schedule,
+    bounds,
     budget_bounds,
     free_at_last_use,
     min_feasible_budget,
@@ -266,6 +267,30 @@ def test_ilp_is_valid_and_never_worse_than_a_baseline(seed: int, fraction: float
         except InfeasibleBudget:
             continue
         assert floor <= other.predicted_time + 1e-9 and s.predicted_time <= other.predicted_time + 1e-9, solve.__name__
+
+
+@FAST
+@given(seed=st.integers(0, 10**6), fraction=st.floats(0, 1))
+def test_the_time_floor_never_exceeds_the_milps_optimum(seed: int, fraction: float) -> None:
+    """The floor is a proof: on graphs the MILP solves exactly (bytes as units, no floor row to
+    lean on), it can never be above the optimum."""
+    graph = random_training_graph(seed, max_forward=8)
+    budget = budget_at(graph, fraction)
+    result = CheckmateMilp(graph, 1, budget).solve(20, 0)
+    assume(result.status == "Optimal")
+    assert time_lower_bound(graph, budget)[0] <= result.objective + 1e-6
+
+
+def test_the_time_floor_counts_the_inputs_of_what_is_made_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A value made again after a moment needs its producer's inputs then too. The knapsacks
+    alone price each remade value at its producer's time as if its inputs were at hand; the
+    closure MILP does not, and on this graph it meets the optimum."""
+    graph = random_training_graph(47, max_forward=8)
+    optimum = CheckmateMilp(graph, 1, 245).solve(20, 0)
+    assert optimum.status == "Optimal" and optimum.objective == 162
+    assert time_lower_bound(graph, 245)[0] == pytest.approx(162, rel=1e-5)
+    monkeypatch.setattr(bounds, "CLOSURE_STEPS", 0)
+    assert time_lower_bound(graph, 245)[0] == 135
 
 
 @pytest.mark.parametrize(("seed", "fraction"), [(24, 0.5), (29, 0.1), (34, 0.5)])
