@@ -131,14 +131,17 @@ def explain(graph: RematGraph, schedule: Schedule, store_all: Schedule,
                            f"+{_percent(overhead, reference_time)}" if overhead > 0 else "+0%", fits])
     lines += ["", *_table(["totals", "peak", "of store-all", "time", "overhead", "fits budget"], total_rows,
                           right={1, 2, 3, 4})]
-    floor = schedule.lower_bound
+    floor, why = schedule.lower_bound, None
     if schedule.budget is not None:
-        floor = max(floor or 0.0, time_lower_bound(graph, schedule.budget)[0])
+        proven, why = time_lower_bound(graph, schedule.budget)
+        floor = max(floor or 0.0, proven)
     if floor is not None and schedule.predicted_time > 0:
         floor = min(floor, schedule.predicted_time)
         lines.append(f"no plan within this budget runs faster than {format_time(floor)} (proven: "
                      f"{100 * (floor / reference_time - 1):+.1f}% over store-all); this plan is "
                      f"{100 * (schedule.predicted_time / floor - 1):.1f}% above that")
+        if why is not None and why.startswith("at node"):  # what the budget costs, and where
+            lines.append(f"the floor comes from the tightest step: {why}")
     for name, outcome in (considered or {}).items():
         lines.append(f"also planned, not run: {name}, " + (
             f"predicted {format_time(outcome)} ({100 * (outcome / reference_time - 1):+.1f}%)"

@@ -136,8 +136,8 @@ def time_lower_bound(graph: RematGraph, budget: int, steps: int = 64) -> tuple[f
     for extra, name, room in rated:
         if extra > best:
             best = extra
-            why = (f"at node {name} only {format_bytes(max(0, room))} are left for the values its "
-                   "descendants read: the rest must be recomputed")
+            why = (f"at node {_named(graph, name)} only {format_bytes(max(0, room))} are left for the "
+                   "values its descendants read: the rest must be recomputed")
     deadline = time.perf_counter() + CLOSURE_TIME
     for extra, name, room in sorted(rated, reverse=True)[:CLOSURE_STEPS]:
         left = deadline - time.perf_counter()
@@ -147,9 +147,17 @@ def time_lower_bound(graph: RematGraph, budget: int, steps: int = 64) -> tuple[f
                                 readers, left)
         if remade > best:
             best = remade
-            why = (f"at node {name} only {format_bytes(max(0, room))} are left for the values its "
-                   "descendants read and the inputs of those made again: the rest must be recomputed")
+            why = (f"at node {_named(graph, name)} only {format_bytes(max(0, room))} are left for the "
+                   "values its descendants read and the inputs of those made again: the rest must be "
+                   "recomputed")
     return base + best, why
+
+
+def _named(graph: RematGraph, name: str) -> str:
+    """A node's name, with its phase and the module it belongs to where known."""
+    node = graph.node(name)
+    where = ", ".join(x for x in ("backward" if node.backward else "forward", node.module) if x)
+    return f"{name} ({where})"
 
 
 # The closure MILPs: at most this many moments, in about this many seconds in all. Each has a

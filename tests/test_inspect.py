@@ -116,9 +116,12 @@ def test_explain_lists_every_block_and_totals(planned: tuple[Rockmate, Path]) ->
     for label in ("store everything", "checkpoint every block", f"this plan ({SOLVER})", "transformer.h.1"):
         assert label in text
     assert "checkpoint" in text.split("totals")[0]  # the blocks' option column
-    floor = time_lower_bound(rk.graph, rk.schedule.budget)[0]
+    floor, why = time_lower_bound(rk.graph, rk.schedule.budget)
     assert floor <= rk.schedule.predicted_time
     assert f"this plan is {100 * (rk.schedule.predicted_time / floor - 1):.1f}% above that" in text
+    # At 0.7 the budget costs recomputation: explain names the step that proves it, and where.
+    assert why.startswith("at node ") and f"the floor comes from the tightest step: {why}" in text
+    assert "(forward" in why or "(backward" in why
 
 
 def test_explain_store_all_recomputes_nothing(gpt: zoo.ZooEntry) -> None:
