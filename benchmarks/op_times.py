@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch import fx  # noqa: E402
 
-import rockplan.runtime  # noqa: E402
+import rockplan.module  # noqa: E402
 from rkgraph.capture import lean_rewrites  # noqa: E402
 from rockplan import Rockmate, steady_cpu_heap, zoo  # noqa: E402
 
@@ -72,7 +72,7 @@ def main() -> None:
         return run
 
     # A diagnostic, not an option: the runtime's compiler is swapped for this run only.
-    rockplan.runtime.boxed_nop = timing_compiler
+    rockplan.module.boxed_nop = timing_compiler
     store_all = Rockmate(copy.deepcopy(model), (model_args, kwargs), 1.0, solver="store_all")
     plan = Rockmate(copy.deepcopy(model), (model_args, kwargs), args.budget, solver=args.solver,
                     profile=store_all.profile_times())

@@ -51,6 +51,19 @@ def is_backward(node: fx.Node) -> bool:
     return node.meta.get("partitioner_tag") == "is_backward"
 
 
+def generator_state_bytes(device: torch.device) -> int:
+    """Bytes of one recorded generator state on `device`: what replaying a random op holds."""
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device).nbytes
+    return torch.get_rng_state().nbytes
+
+
+def first_value(node: fx.Node) -> torch.Tensor:
+    """The (fake) tensor an op returns, or the first of those it returns."""
+    val = node.meta["val"]
+    return val[0] if isinstance(val, (tuple, list)) else val
+
+
 def _tensor_bytes(val: object) -> int:
     if isinstance(val, torch.Tensor):
         return val.untyped_storage().nbytes()
@@ -113,7 +126,8 @@ def build_graph(joint: JointGraph, name: str = "", replay_rng: bool = True) -> R
         if node.name.startswith("tangents"):
             data[node.name] = DataNode(node.name, size, "tangent")
         else:
-            data[node.name] = DataNode(node.name, size, joint.input_kinds[primal_index])
+            data[node.name] = DataNode(node.name, size, joint.input_kinds[primal_index],
+                                       mutated=node.name in joint.mutated)
             primal_index += 1
 
     # 1. Groups: one per allocating op; getitems join their op's group.
@@ -166,7 +180,8 @@ def build_graph(joint: JointGraph, name: str = "", replay_rng: bool = True) -> R
     for group in groups:
         outs, inputs, workspace = _group_dataflow(group, storages, escaping)
         head = group.head
-        draws_random = any(is_random(n) for n in group.ops)
+        draws = [n for n in group.ops if is_random(n)]
+        draws_random = bool(draws)
         for s in outs:
             data[s] = DataNode(s, _tensor_bytes(storages.root_of[s].meta.get("val")), "activation", head.name)
         nodes.append(ComputeNode(
@@ -177,6 +192,7 @@ def build_graph(joint: JointGraph, name: str = "", replay_rng: bool = True) -> R
             workspace=workspace,
             random=draws_random and not replay_rng,
             rng=draws_random and replay_rng,
+            rng_state=sum(generator_state_bytes(first_value(n).device) for n in draws) if replay_rng else 0,
             module=head.meta.get("custom", {}).get("module", ""),
             op=str(head.target),
             fx_nodes=tuple(n.name for n in group.ops),

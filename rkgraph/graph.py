@@ -15,7 +15,12 @@ Memory semantics, shared by the simulator and every solver:
   user); `backward_outputs` (gradients) must be alive at the end of the backward phase.
 - A node flagged `random` may be computed once only (recomputing it would draw a new mask).
   Nodes flagged `rng` draw random numbers too, but the runtime replays the generator state
-  recorded at their first run, so they may be recomputed like any other node.
+  recorded at their first run, so they may be recomputed like any other node. A node computed
+  more than once holds its `rng_state` bytes from its first computation to its last, and each
+  recomputation needs as much again while it runs (the state it puts back afterwards).
+- A source flagged `mutated` (a buffer the step updates, as BatchNorm's running statistics) is
+  copied at the end of the forward when a backward computation reads it, since the backward
+  must see its value from before the update; the copy lives until its last backward read.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class DataNode:
     size: int  # bytes of the storage
     kind: str = "activation"  # one of DATA_KINDS
     producer: str | None = None  # compute node name; None for sources and tangents
+    mutated: bool = False  # a source the step updates in place: a backward reading it reads a copy
 
 
 @dataclass
@@ -51,6 +57,7 @@ class ComputeNode:
     workspace: int = 0  # temporary bytes during the op (grouped intermediates, kernel scratch)
     random: bool = False  # draws random numbers that cannot be replayed: compute at most once
     rng: bool = False  # draws random numbers; a recomputation replays the recorded RNG state
+    rng_state: int = 0  # bytes of the generator states a recomputation replays (with `rng`)
     module: str = ""  # module path in the user's model, "" when unknown
     op: str = ""  # main ATen op, e.g. "aten.mm.default"
     fx_nodes: tuple[str, ...] = ()  # names of the fx nodes of the joint graph in this group
@@ -86,6 +93,9 @@ class RematGraph:
         self.reads: dict[str, tuple[str, ...]] = {
             n.name: tuple(dict.fromkeys(d for d in n.inputs if self.data[d].kind not in SOURCE_KINDS))
             for n in self.nodes}
+        # What the generated code holds beyond the data nodes (see the module's docstring).
+        self.mutated_sources = frozenset(d for d, dn in self.data.items() if dn.mutated)
+        self.rng_states: dict[str, int] = {n.name: n.rng_state for n in self.nodes if n.rng and n.rng_state}
 
     def node(self, name: str) -> ComputeNode:
         return self.nodes[self.index[name]]

@@ -5,6 +5,6 @@
 """
 
 from rockplan.memory import measure_step, steady_cpu_heap
-from rockplan.runtime import Rockmate
+from rockplan.module import Rockmate
 
 __all__ = ["Rockmate", "measure_step", "steady_cpu_heap"]

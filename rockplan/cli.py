@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from rockplan.planner import DEFAULT_SOLVER
+
 log = logging.getLogger("rockplan")
 
 BENCH_SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
@@ -140,7 +142,7 @@ def build_model(spec: str, shape: str | None, dtype: str, size: str,
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from rockplan.runtime import Rockmate
+    from rockplan import Rockmate
     from solvers import RUNTIME_SOLVERS
 
     if args.solver not in RUNTIME_SOLVERS:
@@ -149,7 +151,7 @@ def _plan(args: argparse.Namespace) -> int:
     model, sample_args, sample_kwargs = build_model(args.model, args.shape, args.dtype, args.size, args.with_loss)
     log.info("capturing %s and solving with %s (budget %s)...", type(model).__name__, args.solver, args.budget)
     rk = Rockmate(model, (sample_args, sample_kwargs), budget, solver=args.solver, profile=args.profile,
-                  schedule=args.schedule)
+                  plan_file=args.plan_file)
     out = Path(args.out)
     log.info("writing %s", rk.export(out / "plan.json"))
     log.info("writing %s", rk.render(out / "graph.pdf"))
@@ -199,14 +201,14 @@ def parser() -> argparse.ArgumentParser:
                       "(integers are drawn below the smallest nn.Embedding's size)")
     plan.add_argument("--budget", default="1.0", help="ratio of the store-everything peak (0.5), bytes, or a "
                       "size with units (800MB, 1.5GiB)")
-    plan.add_argument("--solver", default="ilp", help="planner (default ilp)")
+    plan.add_argument("--solver", default=DEFAULT_SOLVER, help=f"planner (default {DEFAULT_SOLVER})")
     plan.add_argument("--profile", choices=("measure", "estimate"), default="measure",
                       help="op times measured on the sample, or estimated from FLOPs "
                            "(kernels' scratch then unseen: the step can exceed the budget by it)")
     plan.add_argument("--size", choices=("tiny", "default"), default="default", help="size of a zoo model")
     plan.add_argument("--with-loss", action="store_true", help="plan the model with its loss inside, as the "
                       "benchmarks do (zoo models, or factories returning (model, args, kwargs, loss_fn))")
-    plan.add_argument("--schedule", help="reuse this plan file instead of solving (checked against the model)")
+    plan.add_argument("--plan-file", help="reuse this plan file instead of solving (checked against the model)")
     plan.add_argument("--out", default=".", help="directory for the outputs (default: current)")
     plan.set_defaults(run=_plan)
 

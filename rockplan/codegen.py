@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from rkgraph.build import is_random, is_view
+from rkgraph.build import first_value, is_random, is_view
 from rkgraph.capture import JointGraph
 from rkgraph.graph import RematGraph
 from rockplan.rng import replay, rng_state
@@ -27,12 +27,6 @@ aten = torch.ops.aten
 
 class CodegenError(RuntimeError):
     pass
-
-
-def _first_output(node: fx.Node) -> Any:
-    """The (fake) tensor a random op returns, or the first of those it returns."""
-    val = node.meta["val"]
-    return val[0] if isinstance(val, (tuple, list)) else val
 
 
 class _Emitter:
@@ -70,7 +64,7 @@ class _Emitter:
 
     def _random(self, original: fx.Node) -> fx.Node:
         """First run: record the generator state, then draw as eager does. Later runs: replay."""
-        out = _first_output(original)
+        out = first_value(original)
         device = out.device
         state = self.rng_states.get(original.name)
         if state is None and original.name not in self.record:
@@ -134,17 +128,6 @@ def _rerun_random_ops(graph: RematGraph, ops: list[Any], fx_nodes: dict[str, fx.
     """Random fx nodes that `ops` run more than once (their first run records the state)."""
     runs = Counter(op.name for op in ops if op.kind == "compute" and graph.node(op.name).rng)
     return [n for name, count in runs.items() if count > 1 for n in graph.node(name).fx_nodes if is_random(fx_nodes[n])]
-
-
-def rng_state_bytes(joint: JointGraph, graph: RematGraph, schedule: Any) -> int:
-    """Bytes of generator states the generated code holds, which the graph does not count:
-    one per random op that runs again (recorded at its first run, held to its last replay), and
-    the state a replay saves to put the user's stream back. An upper bound: all at once."""
-    fx_nodes = {n.name: n for n in joint.module.graph.nodes}
-    recorded = _rerun_random_ops(graph, schedule.ops, fx_nodes)
-    if not recorded:
-        return 0
-    return (len(recorded) + 1) * rng_state(_first_output(fx_nodes[recorded[0]]).device).nbytes
 
 
 def generate(joint: JointGraph, graph: RematGraph, schedule: Any) -> tuple[fx.GraphModule, fx.GraphModule]:

@@ -29,7 +29,7 @@ from solvers.store_all import solve_store_all
 log = logging.getLogger(__name__)
 
 FORMAT = "rockplan-plan"
-VERSION = 1
+VERSION = 2
 
 
 class PlanMismatch(ValueError):
@@ -41,7 +41,6 @@ class Planned(Protocol):
 
     graph: RematGraph
     schedule: Schedule
-    reserved: int
     store_all_peak: int  # autograd's graph storing everything: the reference of ratios
     store_all_time: float
     considered: dict[str, float | str]  # the other graph planned and not run
@@ -49,12 +48,10 @@ class Planned(Protocol):
 
 @dataclass
 class PlanFile:
-    """A plan file read back: the graph it describes, its schedule, and the bytes the runtime
-    held back from the budget for buffer copies."""
+    """A plan file read back: the graph it describes and its schedule."""
 
     graph: RematGraph
     schedule: Schedule
-    reserved: int
     fingerprint: str
     store_all: tuple[int, float]  # (peak, time) of the reference: autograd's graph storing everything
     considered: dict[str, float | str] = field(default_factory=dict)  # the other graph planned, not run
@@ -67,11 +64,11 @@ def _node_structure(node: ComputeNode) -> list[Any]:
     # Everything code generation and the simulator depend on; not times (measured, they vary
     # from run to run) nor module paths (renaming a submodule changes no computation).
     return [node.name, node.op, node.backward, list(node.inputs), list(node.outputs), node.workspace,
-            node.random, node.rng, list(node.fx_nodes)]
+            node.random, node.rng, node.rng_state, list(node.fx_nodes)]
 
 
 def _data_structure(data: DataNode) -> list[Any]:
-    return [data.name, data.size, data.kind, data.producer]
+    return [data.name, data.size, data.kind, data.producer, data.mutated]
 
 
 def fingerprint(graph: RematGraph) -> str:
@@ -87,7 +84,8 @@ def fingerprint(graph: RematGraph) -> str:
 def first_difference(planned: RematGraph, captured: RematGraph) -> str | None:
     """The first difference between the graph of a file and a captured graph, in graph order,
     said so a person can find it; None when they match on everything `fingerprint` covers."""
-    fields = ("name", "op", "phase (backward)", "inputs", "outputs", "workspace", "random", "rng", "fx nodes")
+    fields = ("name", "op", "phase (backward)", "inputs", "outputs", "workspace", "random", "rng",
+              "generator state bytes", "fx nodes")
     for i, (a, b) in enumerate(zip(planned.nodes, captured.nodes)):
         if a.name != b.name:
             return f"node {i}: the file has {a.name} ({a.op}), the captured graph {b.name} ({b.op})"
@@ -127,8 +125,7 @@ def _rockplan_version() -> str:
         return "unknown"
 
 
-def plan_document(graph: RematGraph, schedule: Schedule, reserved: int = 0,
-                  reference: tuple[int, float] | None = None,
+def plan_document(graph: RematGraph, schedule: Schedule, reference: tuple[int, float] | None = None,
                   considered: dict[str, float | str] | None = None) -> dict[str, Any]:
     """The JSON object of a plan file (see docs/plan-format.md). `reference`: the (peak, time) of
     autograd's graph storing everything, where `graph` is a variant of it (`lean_variant`);
@@ -142,10 +139,10 @@ def plan_document(graph: RematGraph, schedule: Schedule, reserved: int = 0,
         nodes.append({
             "name": n.name, "phase": "backward" if n.backward else "forward", "op": n.op, "module": n.module,
             "inputs": list(n.inputs), "outputs": list(n.outputs), "time": n.time, "workspace": n.workspace,
-            "random": n.random, "rng": n.rng, "fx_nodes": list(n.fx_nodes),
+            "random": n.random, "rng": n.rng, "rng_state": n.rng_state, "fx_nodes": list(n.fx_nodes),
             "computed": decisions.computed[n.name], "recomputed": decisions.recomputations(n.name),
         })
-    data = [{"name": d.name, "kind": d.kind, "size": d.size, "producer": d.producer,
+    data = [{"name": d.name, "kind": d.kind, "size": d.size, "producer": d.producer, "mutated": d.mutated,
              "decision": labels.get(d.name)} for d in graph.data.values()]
     return {
         "format": FORMAT,
@@ -174,7 +171,6 @@ def plan_document(graph: RematGraph, schedule: Schedule, reserved: int = 0,
             "ops": [[op.kind, op.name] for op in schedule.ops],
             "extra": schedule.extra,
         },
-        "reserved": reserved,
         "store_all": {"predicted_peak": reference[0], "predicted_time": reference[1]},
         "considered": dict(considered or {}),
         "summary": {
@@ -189,14 +185,14 @@ def plan_document(graph: RematGraph, schedule: Schedule, reserved: int = 0,
 def export_plan(source: Planned | tuple[RematGraph, Schedule], path: str | Path) -> Path:
     """Write the plan of a `Rockmate` (or of a `(graph, schedule)` pair) to `path` as JSON."""
     if isinstance(source, tuple):
-        (graph, schedule), reserved, reference, considered = source, 0, None, None
+        (graph, schedule), reference, considered = source, None, None
     else:
-        graph, schedule, reserved = source.graph, source.schedule, source.reserved
+        graph, schedule = source.graph, source.schedule
         reference, considered = (source.store_all_peak, source.store_all_time), source.considered
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # Solver diagnostics may hold numpy numbers or enums: written as text rather than refused.
-    path.write_text(json.dumps(plan_document(graph, schedule, reserved, reference, considered), indent=1, default=str))
+    path.write_text(json.dumps(plan_document(graph, schedule, reference, considered), indent=1, default=str))
     return path
 
 
@@ -206,10 +202,10 @@ def export_plan(source: Planned | tuple[RematGraph, Schedule], path: str | Path)
 def _graph_from_document(obj: dict[str, Any]) -> RematGraph:
     nodes = [ComputeNode(name=n["name"], inputs=tuple(n["inputs"]), outputs=tuple(n["outputs"]),
                          backward=n["phase"] == "backward", time=n["time"], workspace=n["workspace"],
-                         random=n["random"], rng=n["rng"], module=n["module"], op=n["op"],
+                         random=n["random"], rng=n["rng"], rng_state=n["rng_state"], module=n["module"], op=n["op"],
                          fx_nodes=tuple(n["fx_nodes"]))
              for n in obj["nodes"]]
-    data = {d["name"]: DataNode(d["name"], d["size"], d["kind"], d["producer"]) for d in obj["data"]}
+    data = {d["name"]: DataNode(d["name"], d["size"], d["kind"], d["producer"], d["mutated"]) for d in obj["data"]}
     return RematGraph(nodes, data, tuple(obj["forward_outputs"]), tuple(obj["backward_outputs"]), obj["name"],
                       [list(b) for b in obj["blocks"]], list(obj["block_classes"]), tuple(obj["user_outputs"]))
 
@@ -236,7 +232,7 @@ def read_plan(path: str | Path) -> PlanFile:
                          f"version {VERSION}")
     try:
         return PlanFile(_graph_from_document(obj["graph"]), _schedule_from_document(obj["schedule"]),
-                        obj["reserved"], obj["graph"]["fingerprint"],
+                        obj["graph"]["fingerprint"],
                         (obj["store_all"]["predicted_peak"], obj["store_all"]["predicted_time"]),
                         dict(obj.get("considered", {})))
     except (KeyError, TypeError, ValueError) as e:

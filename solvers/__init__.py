@@ -9,7 +9,7 @@ from solvers.dtr import solve_dtr
 from solvers.greedy_checkpoints import solve_greedy_checkpoints
 from solvers.ilp import solve_ilp
 from solvers.peak_shaving import solve_peak_shaving
-from solvers.rockmate import solve_rockmate
+from solvers.portfolio import solve_ilp_warm, solve_rockmate
 from solvers.rotor import solve_rotor
 from solvers.saved_values import solve_saved_values
 from solvers.schedule import Op, Schedule
@@ -23,7 +23,7 @@ SOLVERS: dict[str, Callable[..., Schedule]] = {
     "checkpoint_blocks": solve_checkpoint_blocks,
     "sqrt_segments": solve_sqrt_segments,
     "greedy_checkpoints": solve_greedy_checkpoints,
-    "ilp": solve_ilp,
+    "ilp": solve_ilp_warm,
     "rotor": solve_rotor,
     "rockmate": solve_rockmate,
     "dtr": solve_dtr,
@@ -40,6 +40,7 @@ __all__ = [
     "InfeasibleBudget", "InvalidSchedule", "Op", "Schedule", "SimulationResult",
     "budget_bounds", "checkmate_reference_peak", "format_bytes", "free_at_last_use", "load_checkmate_graph",
     "min_feasible_budget", "simulate", "solve_checkpoint_blocks", "solve_dtr", "solve_greedy_checkpoints", "solve_ilp",
+    "solve_ilp_warm",
     "solve_peak_shaving",
     "solve_rockmate", "solve_rotor", "solve_saved_values",
     "solve_sqrt_segments", "solve_store_all", "solve_torch_budget",

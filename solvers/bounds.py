@@ -29,7 +29,7 @@ from rkgraph.units import format_bytes
 from solvers.checkpoint_blocks import solve_checkpoint_blocks
 from solvers.ilp_model import MilpBuilder
 from solvers.schedule import Schedule
-from solvers.simulate import schedule_from_computes
+from solvers.simulate import InfeasibleBudget, schedule_from_computes
 from solvers.sqrt_segments import solve_sqrt_segments
 from solvers.store_all import solve_store_all
 
@@ -339,6 +339,15 @@ def budget_bounds(graph: RematGraph) -> BudgetBounds:
                   min_memory_schedule(graph)]
     best = min(candidates, key=lambda s: (s.predicted_peak, s.predicted_time))
     return BudgetBounds(lower, reason, best.predicted_peak, best, candidates)
+
+
+def check_budget(graph: RematGraph, budget: int) -> BudgetBounds:
+    """The graph's budget bounds; InfeasibleBudget, stating the smallest feasible budget, when
+    `budget` is below the proven memory floor (no solver can fit it: say so before searching)."""
+    bounds = budget_bounds(graph)
+    if budget < bounds.lower:
+        raise InfeasibleBudget(f"budget {budget} bytes ({format_bytes(budget)}) is too small: {bounds.describe()}")
+    return bounds
 
 
 def min_feasible_budget(graph: RematGraph) -> int:

@@ -2,12 +2,12 @@
 
 Around the model (solvers/ilp_model.py) this file does what makes it dependable:
 - budgets below the proven floor are refused at once with the floor in the message;
-- the best baseline that fits the budget (segment checkpointing, the greedy checkpoint
-  heuristic, DTR) warm-starts HiGHS, so the solver starts from a schedule and only has to
-  improve it (the flat MILP's weak point is finding good feasible schedules);
+- the best known schedule that fits the budget (the baselines', and the heuristics' that the
+  caller passes as `known`: `solvers.portfolio` does) warm-starts HiGHS, so the solver starts
+  from a schedule and only has to improve it (the flat MILP's weak point is finding good
+  feasible schedules);
 - when that schedule is already within the gap of `time_lower_bound` (a combinatorial bound,
-  often far tighter than the MILP's own: segnet at 0.50, +40.2% against the LP's +0.5%), the
-  MILP is not run at all;
+  often far tighter than the MILP's own), the MILP is not run at all;
 - whatever happens (time limit without incumbent, a model rendered infeasible by rounding
   sizes up), the best schedule that fits is returned: the MILP's if better, else a baseline.
 """
@@ -19,55 +19,37 @@ import time
 from collections.abc import Sequence
 
 from rkgraph.graph import RematGraph
-from solvers.bounds import budget_bounds, format_bytes, time_lower_bound
-from solvers.candidates import heuristic_candidates
-from solvers.ilp_model import CheckmateMilp
+from rkgraph.units import format_bytes
+from solvers.bounds import check_budget, time_lower_bound
+from solvers.ilp_model import CheckmateMilp, memory_unit
 from solvers.schedule import Schedule
-from solvers.simulate import InfeasibleBudget, InvalidSchedule, schedule_from_computes
+from solvers.simulate import InfeasibleBudget, InvalidSchedule, OverBudget, schedule_from_computes
 
 log = logging.getLogger(__name__)
 
-# Memory is expressed in units of budget / MEMORY_UNITS (at least one byte), so that the
-# model's coefficients stay small integers whatever the model size.
-MEMORY_UNITS = 10_000
-
-
-def memory_unit(budget: int) -> int:
-    return max(1, budget // MEMORY_UNITS)
-
-
 def solve_ilp(graph: RematGraph, budget: int, time_limit: float = 60, mip_rel_gap: float = 0.01,
-              known: Sequence[Schedule] | None = None) -> Schedule:
+              known: Sequence[Schedule] = (), floor: float | None = None) -> Schedule:
     """Minimise total compute time with peak memory <= budget (bytes).
 
-    `known`: schedules a caller already found for this budget, the cheap heuristics' included
-    (`solvers.candidates`); they are then not run again. The fastest that fits starts HiGHS.
+    `known`: schedules a caller already found for this budget (the heuristics'); the fastest
+    that fits starts HiGHS. `floor`: the proven floor on time (`time_lower_bound`), when the
+    caller has computed it.
 
     Returns a schedule validated by the simulator, with `lower_bound` (the MILP's dual bound on
     the time) and `gap`. Raises InfeasibleBudget when the budget is below the proven floor, or
     when no schedule was found and no baseline fits.
     """
     start = time.perf_counter()
-    bounds = budget_bounds(graph)
-    if budget < bounds.lower:
-        raise InfeasibleBudget(f"budget {budget} bytes ({format_bytes(budget)}) is too small: {bounds.describe()}")
-    candidates = [*bounds.candidates, *(known or [])]
+    bounds = check_budget(graph, budget)
+    candidates = [*bounds.candidates, *known]
     fitting = sorted((s for s in candidates if s.predicted_peak <= budget), key=lambda s: s.predicted_time)
     store_all = next(s for s in candidates if s.solver == "store_all")
     if store_all.predicted_peak <= budget:
         # Nothing recomputed and every needed node run once: no schedule can be faster.
         return _as_ilp_result(store_all, budget, store_all.predicted_time, start,
                               {"status": "Optimal (store-all fits)", "schedule_from": store_all.solver})
-
-    # The segment baselines cannot fit tight budgets, and a minimum-memory warm start is so slow
-    # that HiGHS may never improve on it in time: the heuristics (fast, and often the best
-    # incumbent on flat graphs: gpt at 0.7, 3.7% against the MILP's 27% in 30 s) give far
-    # better ones.
-    floor = time_lower_bound(graph, budget)[0]
-    if known is None:
-        fitting += heuristic_candidates(graph, budget, time_limit=min(10.0, 0.3 * time_limit),
-                                        good_enough=floor * (1 + mip_rel_gap), known=fitting)
-    fitting.sort(key=lambda s: s.predicted_time)
+    if floor is None:
+        floor = time_lower_bound(graph, budget)[0]
     if fitting and fitting[0].predicted_time <= floor * (1 + mip_rel_gap):
         # Within the gap of a proven bound already: the MILP could only confirm it, slowly.
         return _as_ilp_result(fitting[0], budget, floor, start,
@@ -94,6 +76,8 @@ def solve_ilp(graph: RematGraph, budget: int, time_limit: float = 60, mip_rel_ga
         forward_count = sum(len(stage) for stage in result.stages[:nf])
         try:
             best = schedule_from_computes(graph, computes, forward_count, solver="ilp", budget=budget)
+        except OverBudget as error:  # over by what only the simulator counts
+            log.info("MILP schedule does not fit: %s", error)
         except InvalidSchedule as error:  # a modelling bug; never hand it to the runtime
             log.error("MILP schedule rejected by the simulator: %s", error)
     if fitting and (best is None or fitting[0].predicted_time < best.predicted_time):

@@ -40,6 +40,14 @@ from solvers.simulate import schedule_from_computes
 
 log = logging.getLogger(__name__)
 
+# Memory is expressed in units of budget / MEMORY_UNITS (at least one byte), so that the
+# model's coefficients stay small integers whatever the model size.
+MEMORY_UNITS = 10_000
+
+
+def memory_unit(budget: int) -> int:
+    return max(1, budget // MEMORY_UNITS)
+
 # Share of HiGHS's MIP effort spent in primal heuristics (default 0.05). The flat model's hard
 # part is finding good schedules, not bounds (see the benchmarks README): on unet at 0.42 of
 # the peak, 0.3 finds a 13% schedule in 60 s where the default stays at the warm start.

@@ -1,37 +1,28 @@
-"""`solve_rockmate`, the default solver: Rockmate (Zhao et al., ICML 2023).
+"""Rockmate's plan of a chain of blocks (Zhao et al., ICML 2023).
 
 A flat MILP over a whole model is quadratic in its size; a chain of identical blocks is not.
 So each distinct block (its forward nodes and the backward nodes that differentiate them, see
 `solvers.rotor.block_subgraph`) is solved with Checkmate's MILP for a small grid of budgets on
 its peak and on what its forward keeps for its backward. Each solution is an option: a forward
 sequence, a backward sequence (with its recomputations) and the memory and time of both.
-Rotor's dynamic program then picks one option per block and the checkpointing between blocks. The
-heuristics' schedules that fit (DTR's, ...) are cut per block into more options: they treat
-identical layers differently, and the program can mix their treatments.
-
-The result is replayed by the simulator like every schedule. When the graph has no chain (one
-block), or is small enough for the flat MILP to help (FLAT_ILP_MAX_NODES), and nothing found is
-within `gap` of the proven floor yet, the flat ILP runs, warm-started from the best schedule. Whatever
-happens, the fastest schedule that fits among rockmate's, the flat ILP's and the baselines'
-(DTR's included) is returned, so the default is never worse than a baseline.
+Rotor's dynamic program then picks one option per block and the checkpointing between blocks.
+The default planner (`solvers.portfolio.solve_rockmate`) runs this beside the heuristics and
+the flat MILP and keeps the fastest schedule.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 
 from rkgraph.graph import RematGraph
-from solvers.bounds import budget_bounds, format_bytes, memory_lower_bound, time_lower_bound
-from solvers.candidates import heuristic_candidates
+from rkgraph.units import format_bytes
+from solvers.bounds import memory_lower_bound
 from solvers.greedy_checkpoints import solve_greedy_checkpoints
-from solvers.ilp import memory_unit, solve_ilp
-from solvers.ilp_model import CheckmateMilp
+from solvers.ilp_model import CheckmateMilp, memory_unit
 from solvers.rotor import (
     BlockOption,
     build_chain,
-    chain_blocks,
     measure,
     schedule_chain,
     store_all_option,
@@ -40,19 +31,11 @@ from solvers.rotor import (
 from solvers.schedule import Schedule
 from solvers.simulate import InfeasibleBudget
 
-log = logging.getLogger(__name__)
-
 # Grid of block budgets, as fractions of the range between the block's least and most memory:
 # the peak over the whole block, and what its forward keeps for its backward.
 PEAK_FRACTIONS = (0.1, 0.5, 1.0)
 KEPT_FRACTIONS = (0.1, 0.5)
 BLOCK_GAP = 0.02  # relative MIP gap of a block solve: options need not be exactly optimal
-# Beyond this many nodes the flat MILP (about n^2 / 2 binaries for R alone) is not tried on a
-# graph that has a chain of blocks: on GPT-2 small (683 nodes) building it took 20 s and HiGHS
-# found nothing in 60 s, while the chain and the heuristics answered in 5 s.
-FLAT_ILP_MAX_NODES = 200
-FLAT_ILP_MIN_LOOK = 3.0  # seconds
-CHAIN_MIN_TIME = 0.5  # seconds
 
 
 def _option_of(sub: RematGraph, schedule: Schedule, source: str) -> BlockOption:
@@ -108,80 +91,25 @@ def block_options(sub: RematGraph, time_limit: float) -> tuple[list[BlockOption]
     return undominated(options), solves
 
 
-def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slots: int = 500,
-                   block_time_limit: float = 1.0, gap: float = 0.01, **_: object) -> Schedule:
-    """Fastest schedule found within `budget` bytes, in about `time_limit` seconds (more only
-    when nothing fits yet); `block_time_limit` bounds the MILP solves of one distinct block.
-    The search stops as soon as a schedule is within `gap` (relative) of the proven lower
-    bound on time. Raises InfeasibleBudget, with the smallest feasible budget in the message,
-    when nothing fits."""
+def chain_schedules(graph: RematGraph, budget: int, known: list[Schedule], time_limit: float,
+                    block_time_limit: float = 1.0, slots: int = 500) -> tuple[list[Schedule], dict[str, object]]:
+    """Rockmate's plan of the chain of blocks and rotor's, those that fit `budget`, found in
+    about `time_limit` seconds (late blocks get less, at worst no MILP solve), with what the
+    search did. `known` schedules (the heuristics') are cut per block into more options: they
+    treat identical layers differently, and the program can mix their treatments."""
     start = time.perf_counter()
-    bounds = budget_bounds(graph)
-    if budget < bounds.lower:
-        raise InfeasibleBudget(f"budget {budget} bytes ({format_bytes(budget)}) is too small: {bounds.describe()}")
-    floor = time_lower_bound(graph, budget)[0]
-    candidates = [s for s in bounds.candidates if s.predicted_peak <= budget]
-    extra: dict[str, object] = {}
+    solves = 0
 
-    def searching() -> bool:
-        return not candidates or min(s.predicted_time for s in candidates) > floor * (1 + gap)
+    def options(sub: RematGraph) -> list[BlockOption]:
+        nonlocal solves
+        left = time_limit - (time.perf_counter() - start)
+        found, count = block_options(sub, min(block_time_limit, max(0.0, left / 4)))
+        solves += count
+        return found
 
-    store_all = next(s for s in bounds.candidates if s.solver == "store_all")
-    if store_all.predicted_peak > budget:
-        # The heuristics first: they take a fraction of a second and often meet the bound
-        # (GPT-2 small at 0.95 down to the minimum: DTR is rockmate's answer at every budget),
-        # and they beat the chain plan where the chain model is coarse.
-        candidates += heuristic_candidates(graph, budget, time_limit=min(3.0, 0.8 * time_limit),
-                                           good_enough=floor * (1 + gap), known=candidates)
-        forward_blocks, _ = chain_blocks(graph)
-        # The chain stage takes a while even when its MILPs get no time (segnet, 32 distinct
-        # blocks of a node or two: 0.3 s): when something fits, it needs CHAIN_MIN_TIME and a
-        # fifth of the limit left.
-        time_left = time_limit - (time.perf_counter() - start)
-        chain_time = not candidates or time_left > max(CHAIN_MIN_TIME, 0.2 * time_limit)
-        if searching() and len(forward_blocks) > 1 and chain_time:
-            solves = 0
-
-            def options(sub: RematGraph) -> list[BlockOption]:
-                nonlocal solves
-                # Within the caller's time limit: late blocks get less, at worst no MILP solve.
-                left = time_limit - (time.perf_counter() - start)
-                found, count = block_options(sub, min(block_time_limit, max(0.0, left / 4)))
-                solves += count
-                return found
-
-            # The heuristics' schedules, cut per block, are options too (see build_chain).
-            chain = build_chain(graph, options, schedules=candidates)
-            chained = schedule_chain(graph, chain, budget, slots, "rockmate")
-            rotor = schedule_chain(graph, build_chain(graph), budget, slots, "rotor")
-            candidates += [s for s in (chained, rotor) if s is not None]
-            extra.update({"blocks": len(chain.blocks), "distinct_blocks": chain.distinct, "ilp_solves": solves,
-                          "options_per_block": [len(b.options) for b in chain.blocks]})
-        remaining = time_limit - (time.perf_counter() - start)
-        # A flat MILP's look shorter than FLAT_ILP_MIN_LOOK never improved a schedule found, and
-        # takes longer than its limit (mobilenet, 185 nodes: 1 s to build, HiGHS's presolve
-        # runs 0.8 s past its limit).
-        if (searching() and (len(forward_blocks) <= 1 or len(graph.nodes) <= FLAT_ILP_MAX_NODES)
-                and (not candidates or remaining > FLAT_ILP_MIN_LOOK)):
-            remaining = max(1.0, remaining)
-            if candidates:
-                # Something already fits: the flat MILP rarely improves on it on whole models
-                # (GPT at 0.35 spent 63 s for nothing), so it only gets a short look, from it.
-                remaining = min(remaining, max(FLAT_ILP_MIN_LOOK, 0.1 * time_limit))
-            candidates.append(solve_ilp(graph, budget, time_limit=remaining, mip_rel_gap=gap, known=candidates))
-    if not candidates:
-        raise InfeasibleBudget(f"no schedule found within {budget} bytes ({format_bytes(budget)}); "
-                               f"{bounds.describe()}")
-    best = min(candidates, key=lambda s: (s.predicted_time, s.predicted_peak))
-    extra["schedule_from"] = best.solver
-    for key in ("status", "binaries"):
-        if key in best.extra:
-            extra[key] = best.extra[key]
-    lower_bound = min(max(floor, best.lower_bound or 0.0), best.predicted_time)
-    schedule = Schedule(best.ops, best.forward_length, solver="rockmate", budget=budget,
-                        predicted_peak=best.predicted_peak, predicted_time=best.predicted_time,
-                        lower_bound=lower_bound,
-                        gap=(best.predicted_time - lower_bound) / best.predicted_time if best.predicted_time else 0.0,
-                        extra=extra)
-    schedule.solve_time = time.perf_counter() - start
-    return schedule
+    chain = build_chain(graph, options, schedules=known)
+    chained = schedule_chain(graph, chain, budget, slots, "rockmate")
+    rotor = schedule_chain(graph, build_chain(graph), budget, slots, "rotor")
+    return [s for s in (chained, rotor) if s is not None], {
+        "blocks": len(chain.blocks), "distinct_blocks": chain.distinct, "ilp_solves": solves,
+        "options_per_block": [len(b.options) for b in chain.blocks]}

@@ -28,6 +28,12 @@ class InfeasibleBudget(ValueError):
     """No schedule can run the graph within the budget."""
 
 
+class OverBudget(InvalidSchedule, InfeasibleBudget):
+    """The schedule runs but peaks above the budget: for a solver, it did not fit. Solvers'
+    own memory models leave out what only the simulator counts (what the generated code holds
+    beyond the graph's values), so a schedule they fit may not."""
+
+
 @dataclass
 class SimulationResult:
     peak: int  # bytes, the largest memory at any point, transient allocations included
@@ -40,8 +46,51 @@ def _tangents(graph: RematGraph) -> list[str]:
     return [d for d, dn in graph.data.items() if dn.kind == "tangent"]
 
 
+@dataclass
+class _HeldByCode:
+    """Bytes the generated code holds beyond the graph's data nodes, by op index of a schedule:
+    recorded generator states of random nodes computed again, and copies of mutated sources
+    that the backward reads (`rkgraph.graph`'s memory semantics)."""
+
+    before: dict[int, int] = field(default_factory=dict)  # allocated as op i starts, kept after it
+    during: dict[int, int] = field(default_factory=dict)  # allocated while op i runs only
+    after: dict[int, int] = field(default_factory=dict)  # released once op i is done
+    copies: int = 0  # allocated at the end of the forward
+
+
+def _held_by_code(graph: RematGraph, schedule: Schedule) -> _HeldByCode | None:
+    if not graph.rng_states and not graph.mutated_sources:
+        return None
+    held = _HeldByCode()
+    runs: dict[str, list[int]] = defaultdict(list)
+    last_read: dict[str, int] = {}
+    for i, op in enumerate(schedule.ops):
+        if op.kind != "compute" or op.name not in graph.index:
+            continue
+        if op.name in graph.rng_states:
+            runs[op.name].append(i)
+        if i >= schedule.forward_length:
+            for d in graph.node(op.name).inputs:
+                if d in graph.mutated_sources:
+                    last_read[d] = i
+    for name, positions in runs.items():
+        if len(positions) > 1:
+            size = graph.rng_states[name]
+            held.before[positions[0]] = held.before.get(positions[0], 0) + size
+            held.after[positions[-1]] = held.after.get(positions[-1], 0) + size
+            for i in positions[1:]:
+                held.during[i] = held.during.get(i, 0) + size
+    for d, i in last_read.items():
+        held.copies += graph.data[d].size
+        held.after[i] = held.after.get(i, 0) + graph.data[d].size
+    return held
+
+
 def simulate(graph: RematGraph, schedule: Schedule, budget: int | None = None) -> SimulationResult:
-    """Replay `schedule`; raise InvalidSchedule naming the first bad op and why."""
+    """Replay `schedule`; raise InvalidSchedule naming the first bad op and why.
+
+    The peak counts what the generated code holds beyond the data nodes (recorded generator
+    states, copies of mutated buffers), so that this replay is the one budget check."""
     alive: set[str] = set()  # non-source data currently allocated
     memory = 0
     peak = 0
@@ -50,17 +99,18 @@ def simulate(graph: RematGraph, schedule: Schedule, budget: int | None = None) -
     counts: dict[str, int] = defaultdict(int)
     user_outputs, backward_outputs = frozenset(graph.user_outputs), frozenset(graph.backward_outputs)
     tangents = frozenset(_tangents(graph))
+    held = _held_by_code(graph, schedule)
 
-    def fail(where: int | str, why: str) -> InvalidSchedule:
+    def fail(where: int | str, why: str, error: type[InvalidSchedule] = InvalidSchedule) -> InvalidSchedule:
         """`where`: an op's index, or a place in words ("end of schedule")."""
         place = f"op {where} ({schedule.ops[where]})" if isinstance(where, int) else where
-        return InvalidSchedule(f"{place}: {why}")
+        return error(f"{place}: {why}")
 
     def note_peak(value: int, where: int | str) -> None:
         nonlocal peak
         peak = max(peak, value)
         if budget is not None and value > budget:
-            raise fail(where, f"memory {value} bytes exceeds the budget of {budget} bytes")
+            raise fail(where, f"memory {value} bytes exceeds the budget of {budget} bytes", OverBudget)
 
     def check_required(required: Iterable[str], where: int | str, what: str) -> None:
         for d in required:
@@ -80,6 +130,9 @@ def simulate(graph: RematGraph, schedule: Schedule, budget: int | None = None) -
     for i, op in enumerate(schedule.ops):
         where = i  # formatted only into an error message: searches replay thousands of schedules
         if i == schedule.forward_length:
+            if held is not None and held.copies:
+                memory += held.copies
+                note_peak(memory, where)
             enter_backward(where)
         backward_phase = i >= schedule.forward_length
         if op.kind == "compute":
@@ -94,13 +147,19 @@ def simulate(graph: RematGraph, schedule: Schedule, budget: int | None = None) -
                 if d not in alive:
                     raise fail(where, f"input {d} is not alive")
             outputs = set(node.outputs)
-            note_peak(memory + sum(graph.data[d].size for d in outputs) + node.workspace, where)
+            transient = node.workspace
+            if held is not None:
+                memory += held.before.get(i, 0)
+                transient += held.during.get(i, 0)
+            note_peak(memory + sum(graph.data[d].size for d in outputs) + transient, where)
             # An output that is already alive is replaced by the new value, not stored twice.
             for d in outputs - alive:
                 memory += graph.data[d].size
             alive |= outputs
             counts[op.name] += 1
             time += node.time
+            if held is not None:
+                memory -= held.after.get(i, 0)
         elif op.kind == "free":
             if op.name not in graph.data:
                 raise fail(where, f"unknown data node {op.name}")
@@ -122,6 +181,9 @@ def simulate(graph: RematGraph, schedule: Schedule, budget: int | None = None) -
 
     end = "end of schedule"
     if schedule.forward_length == len(schedule.ops):  # empty backward phase: boundary is the end
+        if held is not None and held.copies:
+            memory += held.copies
+            note_peak(memory, end)
         enter_backward(end)
     check_required(graph.backward_outputs, end, "backward output")
     check_required(graph.user_outputs, end, "output held by the user")
@@ -255,9 +317,12 @@ def schedule_from_computes(graph: RematGraph, computes: Sequence[str], forward_c
     """Insert frees, replay in the simulator (budget included) and fill the predictions."""
     ops, forward_length = free_at_last_use(graph, computes, forward_count, keep)
     schedule = Schedule(ops, forward_length, solver=solver, budget=budget, **metadata)
-    result = simulate(graph, schedule, budget)
+    result = simulate(graph, schedule)
     schedule.predicted_peak = result.peak
     schedule.predicted_time = result.time
+    if budget is not None and result.peak > budget:
+        raise OverBudget(f"{solver}'s schedule peaks at {result.peak} bytes ({format_bytes(result.peak)}), "
+                               f"above the budget of {budget} bytes ({format_bytes(budget)})")
     return schedule
 
 

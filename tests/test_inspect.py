@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rockplan import cli, zoo
+from rockplan import Rockmate, cli, zoo
 from rockplan.plan_file import FORMAT, VERSION, PlanMismatch, export_plan, fingerprint, load_plan, read_plan
-from rockplan.runtime import Rockmate
 from solvers import simulate
 from solvers.bounds import time_lower_bound
 
@@ -45,7 +44,7 @@ def _gradients(rk: Rockmate, entry: zoo.ZooEntry) -> list[torch.Tensor]:
 def test_export_reload_same_schedule_and_gradients(gpt: zoo.ZooEntry, planned: tuple[Rockmate, Path]) -> None:
     rk, path = planned
     model, args, kwargs, _ = gpt
-    reloaded = Rockmate(copy.deepcopy(model), (args, kwargs), 0.7, schedule=path, profile="estimate")
+    reloaded = Rockmate(copy.deepcopy(model), (args, kwargs), 0.7, plan_file=path, profile="estimate")
     assert reloaded.schedule == rk.schedule
     solved = Rockmate(copy.deepcopy(model), (args, kwargs), 0.7, solver=SOLVER, profile="estimate")
     for a, b in zip(_gradients(solved, gpt), _gradients(reloaded, gpt)):
@@ -93,7 +92,7 @@ def test_reload_on_another_model_is_refused(planned: tuple[Rockmate, Path]) -> N
     _, path = planned
     model, args, kwargs, _ = zoo.make("mlp", "tiny")
     with pytest.raises(PlanMismatch, match="node 0"):
-        Rockmate(model, (args, kwargs), 1.0, schedule=path, profile="estimate")
+        Rockmate(model, (args, kwargs), 1.0, plan_file=path, profile="estimate")
 
 
 def test_bare_schedule_still_exports_and_reloads(planned: tuple[Rockmate, Path], tmp_path: Path) -> None:

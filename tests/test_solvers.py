@@ -33,8 +33,7 @@ from solvers import (
     solve_store_all,
 )
 from solvers.bounds import min_memory_schedule, time_lower_bound
-from solvers.ilp import memory_unit
-from solvers.ilp_model import CheckmateMilp, stages_of
+from solvers.ilp_model import CheckmateMilp, memory_unit, stages_of
 from solvers.simulate import schedule_from_computes
 from tests.graph_factories import chain_graph, random_training_graph, training_graph
 

@@ -1,0 +1,100 @@
+"""Inductor for a planned step: `Rockmate(..., backend="inductor")` compiles the generated
+forward and backward with Inductor instead of running their fx code as it is."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx
+from torch._dynamo.backends.debugging import boxed_nop
+
+
+def decompositions() -> dict:
+    """Inductor's decomposition table, for tracing the step as torch.compile would."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
+def inductor_compiler(num_fwd_outputs: Callable[[], int]) -> Callable[[fx.GraphModule, Any], Any]:
+    """AOTAutograd's compiler for one planned step: Inductor for real tensors; the fx code
+    itself for the fake call that triggers planning, since Inductor's kernels allocate real
+    buffers. `num_fwd_outputs()` says how many of the forward's outputs are its own (the rest
+    are what it hands to the backward); it is asked once the partition step has planned.
+
+    Inductor compiles the forward and the backward as two graphs and picks the layout of what
+    the forward returns: with convolutions its layout optimization makes activations (and the
+    weights it converts) channels-last, so what the forward hands to the backward need not
+    have the strides the joint graph traced, which our backward placeholders carry. Under
+    torch.compile, AOTAutograd collects the forward's output strides from the compiler
+    (`TracingContext.report_output_strides`) and restrides the backward's example inputs to
+    them before compiling it (`_aot_stage2b_bw_compile`); that needs a TracingContext, which
+    Dynamo sets up and a bare `aot_function` does not. So this compiler does the same: the
+    forward compiles first (AOTAutograd's order) and its output strides are kept; the
+    backward's leading inputs (all but the tangents) are the forward's trailing outputs in
+    order (codegen's convention, AOTAutograd's), and take those strides in the example inputs
+    and in the placeholders' metadata. Like compile_fx's forward and backward compilers, it
+    keeps eager's strides for what users see: the forward's own outputs and the gradients.
+    """
+    # Inductor's decompositions call into its lowerings (max-pool asks
+    # torch._inductor.lowering whether to fall back), which torch.compile has imported by the
+    # time it traces; a bare aot_function has not.
+    from torch._inductor import config, lowering  # noqa: F401
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._subclasses import FakeTensor
+    from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+    forward_output_strides: list[tuple[int, ...] | None] = []
+
+    def static(stride: tuple[str, ...] | None) -> tuple[int, ...] | None:
+        # Inductor records strides as printed expressions: integers here (static shapes)
+        try:
+            return None if stride is None else tuple(int(s) for s in stride)
+        except (TypeError, ValueError):
+            return None
+
+    def restride(placeholders: list[fx.Node], example_inputs: list[Any]) -> None:
+        handed_over = [i for i, p in enumerate(placeholders) if not p.name.startswith("tangents")]
+        if not forward_output_strides:  # none reported (as AOTAutograd without a TracingContext)
+            return
+        if handed_over != list(range(len(handed_over))) or len(handed_over) > len(forward_output_strides):
+            raise RuntimeError("the backward's inputs do not line up with the forward's outputs")
+        strides = forward_output_strides[len(forward_output_strides) - len(handed_over):]
+        for i, stride in zip(handed_over, strides):
+            example = example_inputs[i]
+            if stride is None or not isinstance(example, torch.Tensor) or example.stride() == stride:
+                continue
+            example_inputs[i] = example.as_strided(example.size(), stride)
+            placeholders[i].meta["val"] = example_inputs[i]
+            if "tensor_meta" in placeholders[i].meta:
+                placeholders[i].meta["tensor_meta"] = _extract_tensor_metadata(example_inputs[i])
+
+    def compile(gm: fx.GraphModule, example_inputs: Any) -> Any:
+        placeholders = gm.graph.find_nodes(op="placeholder")
+        backward = any(p.name.startswith("tangents") for p in placeholders)
+        output = gm.graph.find_nodes(op="output")[0]
+        if backward:
+            example_inputs = list(example_inputs)
+            restride(placeholders, example_inputs)
+            visible = range(len(output.args[0])) if config.bw_outputs_user_visible else range(0)
+        else:  # the forward's own outputs (mutated buffers' new values, the model's outputs)
+            visible = range(num_fwd_outputs()) if config.keep_output_stride else range(0)
+        output.meta["user_visible_output_idxs"] = [i for i in visible if isinstance(output.args[0][i], fx.Node)]
+
+        on_fakes = boxed_nop(copy.deepcopy(gm), example_inputs)
+        compiled = compile_fx_inner(gm, example_inputs, is_backward=backward)
+        if not backward:
+            forward_output_strides[:] = [static(s) for s in getattr(compiled, "output_strides", None) or []]
+
+        def run(args: list) -> Any:
+            if any(isinstance(a, FakeTensor) for a in args):
+                return on_fakes(args)
+            return compiled(args)
+
+        run._boxed_call = True  # type: ignore[attr-defined]
+        return run
+
+    return compile

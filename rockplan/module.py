@@ -1,0 +1,226 @@
+"""Rockmate: the nn.Module users hold. Captures, plans and runs a training step under a budget.
+
+Planning happens inside AOTAutograd's partition step: AOTAutograd traces the step (on fake
+tensors, so nothing real runs), hands us the joint graph, `rockplan.planner.plan` plans it,
+and we return the forward and backward modules generated from the schedule. AOTAutograd's own
+runtime then runs them in one autograd.Function and applies buffer mutations once per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+from torch._dynamo.backends.debugging import boxed_nop
+
+from rkgraph.capture import FlatCall, flat_tensors, flatten_call, joint_graph, trace, training_function
+from rkgraph.graph import RematGraph
+from rockplan.codegen import generate
+from rockplan.decisions import decide
+from rockplan.explain import explain
+from rockplan.inductor import decompositions, inductor_compiler
+from rockplan.plan_file import export_plan
+from rockplan.planner import DEFAULT_SOLVER, Plan, PlanOptions, plan
+from rockplan.plots import plot_memory
+from solvers import Schedule
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PlannedStep:
+    """A plan for one input signature, and the AOTAutograd callable that runs it."""
+
+    plan: Plan
+    compiled: Any
+    flat: FlatCall
+    plan_time: float  # seconds: capture, profile and solve
+
+
+def _signature(model: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    described = tuple(
+        ("tensor", tuple(x.shape), x.dtype, x.device, x.requires_grad) if isinstance(x, torch.Tensor) else x
+        for x in leaves
+    )
+    return (str(spec), described, tuple((p.dtype, p.device, p.requires_grad) for p in model.parameters()))
+
+
+def _split_sample(sample: Any) -> tuple[tuple, dict]:
+    if isinstance(sample, torch.Tensor):
+        return (sample,), {}
+    if isinstance(sample, tuple) and len(sample) == 2 and isinstance(sample[1], dict):
+        return tuple(sample[0]) if isinstance(sample[0], (tuple, list)) else (sample[0],), sample[1]
+    if isinstance(sample, (tuple, list)):
+        return tuple(sample), {}
+    return (sample,), {}
+
+
+class Rockmate(nn.Module):
+    """Wrap `model` so that a training step fits in `budget`, with the same outputs and gradients.
+
+    `sample` is a tensor, a tuple of positional arguments, or `(args, kwargs)`. `budget` is
+    bytes, a size string ("1.5GiB") or a ratio of the step memory without rematerialization.
+    `plan_file` is a plan written by `export`: it is checked against the captured graph and
+    used instead of solving (still replayed by the simulator against the budget).
+    `profile`: node times "measure"d on the sample's device, "estimate"d from FLOPs and bytes
+    (no run: kernels' scratch is not seen, and the step can exceed the budget by it), or a
+    mapping from node name to seconds, such as another plan's `profile_times()`: the same
+    model and sample then plan on the same costs (measured profiles vary from run to run on a
+    busy machine; a comparison of budgets or solvers should not).
+    `solver_options` are the solver's keyword arguments; one it does not take is an error.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sample: Any,
+        budget: int | float | str = 1.0,
+        *,
+        solver: str = DEFAULT_SOLVER,
+        profile: Literal["measure", "estimate"] | Mapping[str, float] = "measure",
+        backend: Literal["eager", "inductor"] = "eager",
+        on_new_input: Literal["replan", "error"] = "replan",
+        solver_options: dict | None = None,
+        plan_file: str | Path | None = None,
+    ) -> None:
+        super().__init__()
+        if backend not in ("eager", "inductor"):
+            raise ValueError(f"unknown backend {backend!r}; choose 'eager' or 'inductor'")
+        self.model = model
+        self.budget_spec = budget
+        self.backend = backend
+        self.on_new_input = on_new_input
+        # Inductor compiles the graphs whole, so it cannot call our RNG replay: random ops run
+        # once; and it lowers attention its own way, so no lean variant is planned for it.
+        self.options = PlanOptions(solver=solver, solver_options=dict(solver_options or {}), profile=profile,
+                                   plan_file=plan_file, replay_rng=backend != "inductor",
+                                   lean_variant=backend != "inductor", name=type(model).__name__)
+        self._steps: dict[tuple, PlannedStep] = {}
+        args, kwargs = _split_sample(sample)
+        self._sample_signature = _signature(model, args, kwargs)
+        self._current = self._plan(args, kwargs)
+
+    # --- what users read -------------------------------------------------------------------
+    @property
+    def plan(self) -> Plan:
+        """The plan for the last input signature seen (the sample's until another is run)."""
+        return self._current.plan
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.plan.schedule
+
+    @property
+    def graph(self) -> RematGraph:
+        return self.plan.graph
+
+    @property
+    def budget(self) -> int:
+        return self.plan.budget
+
+    @property
+    def store_all_peak(self) -> int:
+        """Bytes of the step recomputing nothing (autograd's graph): what a ratio budget is of."""
+        return self.plan.reference.predicted_peak
+
+    @property
+    def store_all_time(self) -> float:
+        """Predicted seconds of the step recomputing nothing (autograd's graph)."""
+        return self.plan.reference.predicted_time
+
+    @property
+    def considered(self) -> dict[str, float | str]:
+        """The other graph planned for this budget and not run: its plan's predicted time in
+        seconds, or why it has none (empty when only one graph was planned)."""
+        return dict(self.plan.considered)
+
+    def profile_times(self) -> dict[str, float]:
+        """Autograd's graph's node times in seconds, by node name (the lean variant is
+        costed from them): `profile=` for another plan of the same model and sample on the same costs."""
+        return dict(self.plan.times)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self.model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model.load_state_dict(*args, **kwargs)
+
+    # --- planning ------------------------------------------------------------------------------
+    def _plan(self, args: tuple, kwargs: dict) -> PlannedStep:
+        """Capture the step on fake tensors and plan it, inside AOTAutograd's partition step."""
+        start = time.perf_counter()
+        flat = flatten_call(self.model, args, kwargs)
+        real = flat_tensors(self.model, flat, args, kwargs)
+        planned: list[Plan] = []
+
+        def plan_and_generate(joint_module: fx.GraphModule, _inputs: Any, *, num_fwd_outputs: int, **_: Any):
+            planned.append(plan(joint_graph(flat, joint_module, num_fwd_outputs), self.budget_spec, self.options,
+                                real))
+            return generate(planned[0].joint, planned[0].graph, planned[0].schedule)
+
+        if self.backend == "inductor":
+            compiler = inductor_compiler(lambda: planned[0].joint.num_fwd_outputs)
+            compiled = training_function(self.model, flat, plan_and_generate, compiler, decompositions())
+        else:
+            compiled = training_function(self.model, flat, plan_and_generate, boxed_nop)
+        trace(self.model, flat, compiled, args, kwargs, native_kernels=self.backend != "inductor")
+        step = PlannedStep(planned[0], compiled, flat, time.perf_counter() - start)
+        self._steps[_signature(self.model, args, kwargs)] = step
+        return step
+
+    # --- running -------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not (self.training and torch.is_grad_enabled()):
+            return self.model(*args, **kwargs)  # no backward to plan for: the plain forward
+        signature = _signature(self.model, args, kwargs)
+        step = self._steps.get(signature)
+        if step is None:
+            if self.on_new_input == "error":
+                difference = _describe_difference(self._sample_signature, signature)
+                raise ValueError(f"input differs from the planned sample: {difference}; "
+                                 "pass on_new_input='replan' to plan for it")
+            step = self._plan(args, kwargs)
+        self._current = step
+        out = step.compiled(*flat_tensors(self.model, step.flat, args, kwargs))
+        return tuple(out) if step.flat.returns_tuple else out
+
+    def train(self, mode: bool = True) -> Rockmate:
+        super().train(mode)
+        return self
+
+    # --- inspection: what the planner decided, for the current input signature ----------------
+    def export(self, path: str | Path) -> Path:
+        """Write the plan (graph, schedule, decisions) to `path`; reload with `plan_file=path`."""
+        return export_plan(self, path)
+
+    def explain(self) -> str:
+        """A terminal table: per block what is kept and recomputed, and totals against baselines."""
+        reference = self.plan.reference
+        return explain(self.graph, self.schedule, self.plan.graph_store_all,
+                       reference=(reference.predicted_peak, reference.predicted_time), considered=self.considered)
+
+    def render(self, path: str | Path, collapse: bool | None = None) -> Path:
+        """Draw the graph with the decisions coloured (.pdf, .png or .svg)."""
+        labels = decide(self.graph, self.schedule, self.plan.graph_store_all).labels()
+        return self.graph.render(path, decisions=labels, collapse=collapse)
+
+    def plot_memory(self, path: str | Path) -> Path:
+        """Plot memory over one step against store-everything and the budget (needs matplotlib)."""
+        return plot_memory(self.graph, self.schedule, path, self.budget, self.plan.graph_store_all)
+
+
+def _describe_difference(planned: tuple, got: tuple) -> str:
+    for i, (a, b) in enumerate(zip(planned[1], got[1])):
+        if a != b:
+            return f"argument leaf {i}: planned {a}, got {b}"
+    if planned[0] != got[0]:
+        return f"argument structure: planned {planned[0]}, got {got[0]}"
+    return "parameters changed dtype, device or requires_grad"

@@ -1,0 +1,181 @@
+"""`plan`: a captured joint graph and a budget in, a checked schedule out.
+
+A plain function over `rkgraph.JointGraph`: it needs neither the user's nn.Module nor
+AOTAutograd, so it can be called once per captured graph. `rockplan.module.Rockmate` calls it
+from AOTAutograd's partition step and generates code from what it returns.
+
+Planning is one direction: build the RematGraph (`rkgraph.build_graph`), cost it
+(`rkgraph.profile_graph`), cut it into blocks, solve, and replay the schedule in the simulator
+against the budget, which counts everything the generated code holds (recorded generator
+states, copies of mutated buffers), so one solve suffices. Where the plan recomputes, the lean
+variant of the graph (`rkgraph.rewrites.lean_variant`: attention's probabilities remade a few
+heads at a time, masks kept packed) holds less for a recomputation: it is planned too, on the
+same costs for the ops both graphs share, and the faster plan is returned.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from rkgraph import build_graph, partition, profile_graph
+from rkgraph.capture import JointGraph, lean_variant
+from rkgraph.graph import RematGraph
+from rkgraph.units import format_bytes
+from rockplan.budget import parse_budget
+from rockplan.plan_file import PlanMismatch, load_plan
+from solvers import RUNTIME_SOLVERS, InfeasibleBudget, Schedule, simulate, solve_store_all
+from solvers.bounds import time_lower_bound
+
+log = logging.getLogger(__name__)
+
+Profile = Literal["measure", "estimate"] | Mapping[str, float]
+DEFAULT_SOLVER = "rockmate"  # the portfolio: every strategy tried, the fastest plan kept
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """How to plan. `profile`: node times "measure"d on the real inputs, "estimate"d from FLOPs
+    and bytes, or a mapping from node name to seconds (another plan's `Plan.times`: the same
+    graph then plans on the same costs). `plan_file`: a file written by `export`, checked
+    against the graph and used instead of solving. `replay_rng`: recomputed random ops replay
+    their recorded generator state (False under Inductor, which cannot call the replay: random
+    ops then run once). `lean_variant`: plan the lean variant too where the plan recomputes."""
+
+    solver: str = DEFAULT_SOLVER
+    solver_options: Mapping[str, Any] = field(default_factory=dict)
+    profile: Profile = "measure"
+    plan_file: str | Path | None = None
+    replay_rng: bool = True
+    lean_variant: bool = True
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        check_solver(self.solver, self.solver_options)
+
+
+@dataclass
+class Plan:
+    """A schedule for one joint graph within one budget, checked by the simulator."""
+
+    joint: JointGraph  # the graph that runs: autograd's, or its lean variant
+    graph: RematGraph  # its RematGraph, costed and cut into blocks
+    schedule: Schedule
+    budget: int  # bytes
+    graph_store_all: Schedule  # `graph` storing everything: what the plan decided against
+    reference: Schedule  # autograd's graph storing everything: the reference of ratios and budgets
+    times: dict[str, float]  # autograd's graph's node times, by name: `PlanOptions.profile` for a replan
+    considered: dict[str, float | str]  # the other graph planned and not run: its time, or why it has none
+
+
+def check_solver(solver: str, options: Mapping[str, Any]) -> None:
+    """ValueError naming what is accepted, for an unknown solver or an option it does not take."""
+    if solver not in RUNTIME_SOLVERS:
+        raise ValueError(f"unknown solver {solver!r}; choose one of {sorted(RUNTIME_SOLVERS)}")
+    parameters = list(inspect.signature(RUNTIME_SOLVERS[solver]).parameters.values())[2:]
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return  # the solver checks its own options
+    accepted = [p.name for p in parameters]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(f"solver {solver!r} takes no option {', '.join(map(repr, unknown))}; "
+                         f"its options are {', '.join(accepted) or 'none'}")
+
+
+def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = PlanOptions(),
+         real_inputs: list[torch.Tensor] | None = None) -> Plan:
+    """The fastest schedule found for `joint` within `budget` (bytes, a size string, or a ratio
+    of the store-everything peak of autograd's graph). `real_inputs` (the primals: parameters,
+    buffers, inputs) are what measured profiles run on; without them times are estimated.
+    Raises InfeasibleBudget, stating the smallest feasible budget, when nothing fits, and
+    PlanMismatch when a plan file is for another graph."""
+    graph = costed_graph(joint, real_inputs, options.profile, options)
+    reference = solve_store_all(graph)
+    budget = parse_budget(budget, reference.predicted_peak)
+    log.info("planning %s: %d nodes, budget %s (store-all peak %s)", graph.name, len(graph.nodes),
+             format_bytes(budget), format_bytes(reference.predicted_peak))
+    chosen: tuple[JointGraph, RematGraph, Schedule] | None = None
+    failure: Exception | None = None
+    try:
+        chosen = (joint, graph, _solve(graph, budget, options))
+    except (InfeasibleBudget, PlanMismatch) as e:
+        failure = e
+    considered: dict[str, float | str] = {}
+    # A plan file that matched autograd's graph leaves nothing to choose.
+    needs_less_memory = chosen is None or (
+        options.plan_file is None and chosen[2].predicted_time > reference.predicted_time)
+    lean = lean_variant(joint) if needs_less_memory and options.lean_variant else None
+    if lean is not None:
+        # Its own ops timed in place, unless the reference's times are estimates.
+        lean_graph = costed_graph(lean, real_inputs, "estimate" if options.profile == "estimate" else "measure",
+                                  options, shared=graph)
+        floor = time_lower_bound(lean_graph, budget)
+        # No use solving it when its proven floor is above the plan in hand.
+        hopeless = chosen is not None and floor[0] >= chosen[2].predicted_time
+        other = None
+        if not hopeless:
+            try:
+                other = _solve(lean_graph, budget, options, floor)
+            except (InfeasibleBudget, PlanMismatch) as e:
+                # Both infeasible: the lean graph needs less, so its bound is the one to state.
+                if isinstance(e, InfeasibleBudget):
+                    failure = e
+        if other is not None and (chosen is None or other.predicted_time < chosen[2].predicted_time):
+            log.info("lean variant: predicted %.3f s, against %s", other.predicted_time,
+                     "no plan" if chosen is None else f"{chosen[2].predicted_time:.3f} s")
+            considered["autograd's graph"] = "no plan within the budget" if chosen is None else chosen[2].predicted_time
+            chosen = (lean, lean_graph, other)
+        else:
+            considered["the lean variant of the graph"] = (
+                "not solved: its proven floor is above the plan of autograd's graph" if hopeless
+                else "no plan within the budget" if other is None else other.predicted_time)
+    if chosen is None:
+        assert failure is not None
+        raise failure
+    chosen_joint, chosen_graph, schedule = chosen
+    if schedule.lower_bound is not None:
+        log.info("planned by %s: peak %s, overhead %+.1f%% (no plan within the budget can be under %+.1f%%)",
+                 schedule.solver, format_bytes(schedule.predicted_peak),
+                 100 * (schedule.predicted_time / reference.predicted_time - 1),
+                 100 * (schedule.lower_bound / reference.predicted_time - 1))
+    return Plan(chosen_joint, chosen_graph, schedule, budget,
+                reference if chosen_graph is graph else solve_store_all(chosen_graph), reference,
+                {n.name: n.time for n in graph.nodes}, considered)
+
+
+def costed_graph(joint: JointGraph, real_inputs: list[torch.Tensor] | None, profile: Profile,
+                 options: PlanOptions, shared: RematGraph | None = None) -> RematGraph:
+    """The RematGraph of `joint` with its costs and blocks; a variant of `shared`'s graph
+    shares its costs where it runs the same ops (`rkgraph.profile_graph`'s `reference`)."""
+    graph = build_graph(joint, name=options.name, replay_rng=options.replay_rng)
+    graph.joint = joint
+    profile_graph(graph, joint, real_inputs, profile, reference=shared)
+    partition(graph)
+    return graph
+
+
+def _solve(graph: RematGraph, budget: int, options: PlanOptions,
+           floor: tuple[float, str] | None = None) -> Schedule:
+    """The schedule for `graph` within `budget` (or the plan file's), replayed by the simulator:
+    never run an unchecked plan. `floor`: the graph's proven floor, when already computed."""
+    if options.plan_file is not None:
+        schedule = load_plan(options.plan_file, graph)
+    else:
+        solver_options = dict(options.solver_options)
+        if floor is not None and "floor" in inspect.signature(RUNTIME_SOLVERS[options.solver]).parameters:
+            solver_options.setdefault("floor", floor)
+        schedule = RUNTIME_SOLVERS[options.solver](graph, budget, **solver_options)
+    result = simulate(graph, schedule)
+    if result.peak > budget:
+        raise InfeasibleBudget(
+            f"budget {budget} bytes ({format_bytes(budget)}) is too small for the "
+            f"{'plan file' if options.plan_file is not None else options.solver + ' plan'}: it peaks at "
+            f"{result.peak} bytes ({format_bytes(result.peak)}), what the generated code holds included "
+            f"(copies of mutated buffers, recorded generator states)")
+    return schedule

@@ -1,0 +1,178 @@
+"""The default planner, `solve_rockmate`: a portfolio of every strategy, judged by one floor.
+
+Every strategy wins somewhere and none everywhere, so the default runs them cheapest first and
+keeps the fastest schedule that fits:
+- the heuristics (`heuristic_candidates`), a fraction of a second to a few seconds each: DTR's
+  variants (evicting the stalest, the next used, the largest; keeping what random ops drew),
+  the saved-values MILP, peak shaving, greedy checkpoints;
+- Rockmate's chain plan (`solvers.rockmate`): each distinct block solved by Checkmate's MILP
+  for a grid of budgets, one option per block chosen by rotor's dynamic program; and rotor's
+  own plan of whole blocks;
+- Checkmate's flat MILP (`solvers.ilp`), warm-started from the best of them, on graphs small
+  enough for it or without a chain of blocks.
+
+The proven floor on time (`solvers.bounds.time_lower_bound`) is computed once per plan, here:
+the search stops as soon as a schedule is within `gap` of it, and the schedule returned
+carries it as `lower_bound` (with the step that sets it in `extra["floor_reason"]`), so that
+callers never compute it again. The budget is refused at once, with the smallest feasible
+budget, when it is below the proven memory floor (`solvers.bounds.check_budget`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from rkgraph.graph import RematGraph
+from rkgraph.units import format_bytes
+from solvers.bounds import check_budget, time_lower_bound
+from solvers.dtr import solve_dtr
+from solvers.greedy_checkpoints import solve_greedy_checkpoints
+from solvers.ilp import solve_ilp
+from solvers.peak_shaving import solve_peak_shaving
+from solvers.rockmate import chain_schedules
+from solvers.rotor import chain_blocks
+from solvers.saved_values import saved_values_attempts
+from solvers.schedule import Schedule
+from solvers.simulate import InfeasibleBudget
+
+DTR_HEURISTICS = ("dtr", "next_use", "size")
+SHAVING_SHARE = 0.85  # of the time left after DTR: peak shaving (six starts), then greedy checkpoints
+GREEDY_SHARE = 0.1  # of the time limit, for greedy checkpoints when peak shaving wins
+# Beyond this many nodes the flat MILP (about n^2 / 2 binaries for R alone) is not tried on a
+# graph that has a chain of blocks: building it takes longer than the chain and the
+# heuristics take to answer, and HiGHS finds nothing better in a minute.
+FLAT_ILP_MAX_NODES = 200
+# A flat MILP's look shorter than this never improved a schedule found, and HiGHS's presolve
+# can run past its limit.
+FLAT_ILP_MIN_LOOK = 3.0  # seconds
+# The chain stage takes a while even when its MILPs get no time: when something already fits,
+# it needs this long and a fifth of the time limit left.
+CHAIN_MIN_TIME = 0.5  # seconds
+
+
+def heuristic_candidates(graph: RematGraph, budget: int, time_limit: float,
+                         good_enough: float = 0.0, known: Sequence[Schedule] = ()) -> list[Schedule]:
+    """The schedules of DTR_HEURISTICS, saved values, peak shaving and greedy checkpoints that fit `budget`,
+    found within about `time_limit` seconds. The last two run only while the best so far takes
+    longer than `good_enough` (a proven floor plus the caller's gap).
+
+    Peak shaving starts from DTR's and saved values' schedules (those that overshoot too) and
+    from `known` checkpointing schedules that fit (the baselines): however slow a start, its
+    drops may lead elsewhere. From checkpointing
+    every block (+33.3%) it reaches fcn8 at 0.62's floor, +2.91%, where from DTR's it stops at
+    +3.04%."""
+    deadline = time.perf_counter() + time_limit
+    found = []
+
+    def attempt(solve, *args, **options) -> bool:
+        try:
+            found.append(solve(graph, budget, *args, **options))
+            return True
+        except InfeasibleBudget:
+            return False
+
+    def searching() -> bool:
+        return not found or min(s.predicted_time for s in found) > good_enough
+
+    for heuristic in DTR_HEURISTICS:
+        attempt(solve_dtr, heuristic=heuristic)
+    if any(node.rng for node in graph.nodes):
+        attempt(solve_dtr, heuristic="dtr", keep_drawn=True)
+    # What the forward saves, chosen by a small MILP: its attempts that overshoot are starts
+    # for peak shaving, the one that fits (the last, if any) a candidate.
+    overshooting = []
+    for schedule in saved_values_attempts(graph, budget, time_limit=0.2 * time_limit):
+        if schedule.predicted_peak <= budget:
+            schedule.budget = budget
+            found.append(schedule)
+        else:
+            overshooting.append(schedule)
+    # Not the minimum-memory schedule (its hundreds of drops take the undo seconds, for
+    # nothing): only known schedules that run at most the forward again, the checkpoints.
+    once = sum(n.time for n in graph.nodes)
+    seeds = [*found, *overshooting, *(s for s in known if s.predicted_peak <= budget and s.predicted_time <= 2 * once)]
+    shaved = (searching() and attempt(solve_peak_shaving, good_enough=good_enough, seeds=seeds,
+                                      time_limit=SHAVING_SHARE * max(0.0, deadline - time.perf_counter()))
+              and min(found, key=lambda s: s.predicted_time).solver == "peak_shaving")
+    if searching():
+        # Greedy checkpoints win near the smallest budgets, where peak shaving does not fit or
+        # DTR beats it; where peak shaving wins, greedy rarely helps (mobilenet at 0.90: 2.4 s
+        # for nothing).
+        left = max(0.0, deadline - time.perf_counter())
+        attempt(solve_greedy_checkpoints, time_limit=min(left, GREEDY_SHARE * time_limit) if shaved else left)
+    return found
+
+
+def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slots: int = 500,
+                   block_time_limit: float = 1.0, gap: float = 0.01,
+                   floor: tuple[float, str] | None = None) -> Schedule:
+    """Fastest schedule found within `budget` bytes, in about `time_limit` seconds (more only
+    when nothing fits yet); `block_time_limit` bounds the MILP solves of one distinct block.
+    The search stops as soon as a schedule is within `gap` (relative) of the proven floor on
+    time; `floor` is that floor and the step that sets it, `time_lower_bound`'s answer, when the
+    caller has it (computed here otherwise, once).
+    Raises InfeasibleBudget, with the smallest feasible budget in the message, when nothing fits."""
+    start = time.perf_counter()
+    bounds = check_budget(graph, budget)
+    floor, floor_reason = time_lower_bound(graph, budget) if floor is None else floor
+    candidates = [s for s in bounds.candidates if s.predicted_peak <= budget]
+    extra: dict[str, object] = {}
+
+    def searching() -> bool:
+        return not candidates or min(s.predicted_time for s in candidates) > floor * (1 + gap)
+
+    store_all = next(s for s in bounds.candidates if s.solver == "store_all")
+    if store_all.predicted_peak > budget:
+        # The heuristics first: they take a fraction of a second and often meet the floor, and
+        # they beat the chain plan where the chain model is coarse.
+        candidates += heuristic_candidates(graph, budget, time_limit=min(3.0, 0.8 * time_limit),
+                                           good_enough=floor * (1 + gap), known=candidates)
+        forward_blocks, _ = chain_blocks(graph)
+        time_left = time_limit - (time.perf_counter() - start)
+        chain_time = not candidates or time_left > max(CHAIN_MIN_TIME, 0.2 * time_limit)
+        if searching() and len(forward_blocks) > 1 and chain_time:
+            chained, found = chain_schedules(graph, budget, candidates, time_left, block_time_limit, slots)
+            candidates += chained
+            extra.update(found)
+        remaining = time_limit - (time.perf_counter() - start)
+        if (searching() and (len(forward_blocks) <= 1 or len(graph.nodes) <= FLAT_ILP_MAX_NODES)
+                and (not candidates or remaining > FLAT_ILP_MIN_LOOK)):
+            remaining = max(1.0, remaining)
+            if candidates:
+                # Something already fits: the flat MILP rarely improves on it on whole models,
+                # so it only gets a short look, from it.
+                remaining = min(remaining, max(FLAT_ILP_MIN_LOOK, 0.1 * time_limit))
+            candidates.append(solve_ilp(graph, budget, time_limit=remaining, mip_rel_gap=gap, known=candidates,
+                                        floor=floor))
+    if not candidates:
+        raise InfeasibleBudget(f"no schedule found within {budget} bytes ({format_bytes(budget)}); "
+                               f"{bounds.describe()}")
+    best = min(candidates, key=lambda s: (s.predicted_time, s.predicted_peak))
+    extra["schedule_from"] = best.solver
+    extra["floor_reason"] = floor_reason
+    for key in ("status", "binaries"):
+        if key in best.extra:
+            extra[key] = best.extra[key]
+    lower_bound = min(max(floor, best.lower_bound or 0.0), best.predicted_time)
+    schedule = Schedule(best.ops, best.forward_length, solver="rockmate", budget=budget,
+                        predicted_peak=best.predicted_peak, predicted_time=best.predicted_time,
+                        lower_bound=lower_bound,
+                        gap=(best.predicted_time - lower_bound) / best.predicted_time if best.predicted_time else 0.0,
+                        extra=extra)
+    schedule.solve_time = time.perf_counter() - start
+    return schedule
+
+
+def solve_ilp_warm(graph: RematGraph, budget: int, time_limit: float = 60, mip_rel_gap: float = 0.01) -> Schedule:
+    """Checkmate's flat MILP (`solvers.ilp.solve_ilp`) warm-started from the heuristics' best:
+    the minimum-memory and segment baselines are so slow a start that HiGHS may never improve
+    on them in time."""
+    bounds = check_budget(graph, budget)
+    fitting = [s for s in bounds.candidates if s.predicted_peak <= budget]
+    if any(s.solver == "store_all" for s in fitting):  # nothing to search: solve_ilp says so
+        return solve_ilp(graph, budget, time_limit=time_limit, mip_rel_gap=mip_rel_gap)
+    floor = time_lower_bound(graph, budget)[0]
+    known = heuristic_candidates(graph, budget, time_limit=min(10.0, 0.3 * time_limit),
+                                 good_enough=floor * (1 + mip_rel_gap), known=fitting)
+    return solve_ilp(graph, budget, time_limit=time_limit, mip_rel_gap=mip_rel_gap, known=known, floor=floor)
