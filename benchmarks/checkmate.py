@@ -29,6 +29,7 @@ from solvers import (  # noqa: E402  (the path above makes the script runnable f
     solve_checkpoint_blocks,
     solve_sqrt_segments,
     solve_store_all,
+    solver_options,
 )
 from solvers.bounds import time_lower_bound  # noqa: E402
 
@@ -88,8 +89,9 @@ def main() -> None:
                 start = time.perf_counter()
                 try:
                     limit = REFERENCE[name, fraction][1] / 10 if args.tenth else args.time_limit
-                    gap = {"ilp": {"mip_rel_gap": args.gap}, "rockmate": {"gap": args.gap}}.get(solver, {})
-                    schedules.append(SOLVERS[solver](graph, budget, time_limit=limit, **gap))
+                    options = {"time_limit": limit, "mip_rel_gap": args.gap, "gap": args.gap}
+                    taken = {k: v for k, v in options.items() if k in solver_options(solver)}
+                    schedules.append(SOLVERS[solver](graph, budget, **taken))
                 except InfeasibleBudget as error:
                     print(f"| {name} | {fraction:.2f} | {solver} | {error} ({time.perf_counter() - start:.1f} s) |")
             for s in schedules:

@@ -131,8 +131,8 @@ def explain(graph: RematGraph, schedule: Schedule, store_all: Schedule,
                            f"+{_percent(overhead, reference_time)}" if overhead > 0 else "+0%", fits])
     lines += ["", *_table(["totals", "peak", "of store-all", "time", "overhead", "fits budget"], total_rows,
                           right={1, 2, 3, 4})]
-    floor, why = schedule.lower_bound, None
-    if schedule.budget is not None:
+    floor, why = schedule.lower_bound, schedule.extra.get("floor_reason")
+    if schedule.budget is not None and why is None:  # planned by a solver that proves no floor
         proven, why = time_lower_bound(graph, schedule.budget)
         floor = max(floor or 0.0, proven)
     if floor is not None and schedule.predicted_time > 0:

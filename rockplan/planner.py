@@ -15,7 +15,6 @@ same costs for the ops both graphs share, and the faster plan is returned.
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ from rkgraph.graph import RematGraph
 from rkgraph.units import format_bytes
 from rockplan.budget import parse_budget
 from rockplan.plan_file import PlanMismatch, load_plan
-from solvers import RUNTIME_SOLVERS, InfeasibleBudget, Schedule, simulate, solve_store_all
+from solvers import RUNTIME_SOLVERS, InfeasibleBudget, Schedule, simulate, solve_store_all, solver_options
 from solvers.bounds import time_lower_bound
 
 log = logging.getLogger(__name__)
@@ -78,10 +77,7 @@ def check_solver(solver: str, options: Mapping[str, Any]) -> None:
     """ValueError naming what is accepted, for an unknown solver or an option it does not take."""
     if solver not in RUNTIME_SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {sorted(RUNTIME_SOLVERS)}")
-    parameters = list(inspect.signature(RUNTIME_SOLVERS[solver]).parameters.values())[2:]
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return  # the solver checks its own options
-    accepted = [p.name for p in parameters]
+    accepted = solver_options(solver)
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise ValueError(f"solver {solver!r} takes no option {', '.join(map(repr, unknown))}; "
@@ -168,7 +164,7 @@ def _solve(graph: RematGraph, budget: int, options: PlanOptions,
         schedule = load_plan(options.plan_file, graph)
     else:
         solver_options = dict(options.solver_options)
-        if floor is not None and "floor" in inspect.signature(RUNTIME_SOLVERS[options.solver]).parameters:
+        if floor is not None and "floor" in solver_options(options.solver):
             solver_options.setdefault("floor", floor)
         schedule = RUNTIME_SOLVERS[options.solver](graph, budget, **solver_options)
     result = simulate(graph, schedule)

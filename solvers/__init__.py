@@ -1,5 +1,8 @@
-"""solvers: a solver is a function (graph, budget, **options) -> Schedule; `simulate` referees."""
+"""solvers: a solver is a function (graph, budget, **options) -> Schedule; `simulate` referees.
 
+Each solver takes its own keyword options and refuses others (`solver_options` lists them)."""
+
+import inspect
 from collections.abc import Callable
 
 from solvers.bounds import budget_bounds, format_bytes, min_feasible_budget
@@ -35,13 +38,16 @@ SOLVERS: dict[str, Callable[..., Schedule]] = {
 CAPTURED_GRAPH_SOLVERS: dict[str, Callable[..., Schedule]] = {"torch_budget": solve_torch_budget}
 RUNTIME_SOLVERS = SOLVERS | CAPTURED_GRAPH_SOLVERS
 
+
+def solver_options(name: str) -> list[str]:
+    """The keyword options solver `name` takes (after the graph and the budget)."""
+    return list(inspect.signature(RUNTIME_SOLVERS[name]).parameters)[2:]
+
 __all__ = [
-    "CAPTURED_GRAPH_SOLVERS", "RUNTIME_SOLVERS", "SOLVERS",
-    "InfeasibleBudget", "InvalidSchedule", "Op", "Schedule", "SimulationResult",
-    "budget_bounds", "checkmate_reference_peak", "format_bytes", "free_at_last_use", "load_checkmate_graph",
-    "min_feasible_budget", "simulate", "solve_checkpoint_blocks", "solve_dtr", "solve_greedy_checkpoints", "solve_ilp",
-    "solve_ilp_warm",
-    "solve_peak_shaving",
-    "solve_rockmate", "solve_rotor", "solve_saved_values",
-    "solve_sqrt_segments", "solve_store_all", "solve_torch_budget",
+    "CAPTURED_GRAPH_SOLVERS", "RUNTIME_SOLVERS", "SOLVERS", "InfeasibleBudget", "InvalidSchedule", "Op",
+    "Schedule", "SimulationResult", "budget_bounds", "checkmate_reference_peak", "format_bytes",
+    "free_at_last_use", "load_checkmate_graph", "min_feasible_budget", "simulate", "solver_options",
+    "solve_checkpoint_blocks", "solve_dtr", "solve_greedy_checkpoints", "solve_ilp", "solve_ilp_warm",
+    "solve_peak_shaving", "solve_rockmate", "solve_rotor", "solve_saved_values", "solve_sqrt_segments",
+    "solve_store_all", "solve_torch_budget",
 ]

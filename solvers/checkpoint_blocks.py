@@ -83,8 +83,8 @@ def segment_recompute_order(graph: RematGraph, segments: list[list[str]]) -> lis
     return computes
 
 
-def solve_checkpoint_blocks(graph: RematGraph, budget: int | None = None, **options: object) -> Schedule:
-    """Checkpoint each block of `graph.blocks` (derived when empty). `options` are ignored."""
+def solve_checkpoint_blocks(graph: RematGraph, budget: int | None = None) -> Schedule:
+    """Checkpoint each block of `graph.blocks` (derived when empty)."""
     start = time.perf_counter()
     blocks = [list(b) for b in graph.blocks] or derived_blocks(graph)
     schedule = fixed_schedule(graph, segment_recompute_order(graph, blocks),

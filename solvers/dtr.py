@@ -248,14 +248,14 @@ class _DtrRun:
 
 
 def solve_dtr(graph: RematGraph, budget: int | None = None, heuristic: Heuristic = "dtr",
-              keep_drawn: bool = False, **options: object) -> Schedule:
+              keep_drawn: bool = False) -> Schedule:
     """The computations a DTR runtime would perform under `budget` bytes, as a Schedule.
 
     `heuristic`: "dtr" (cost with evicted neighbourhood / (memory * staleness)), "next_use",
     "lru" or "size". `keep_drawn`: never evict what a random op drew (dropout masks), as
     PyTorch's partitioner never recomputes one: the heuristic, blind to what a small tensor's
     absence costs later, evicts GPT's masks and pays a redraw each (GPT at 0.35: +20.0%,
-    +13.6% keeping them). Other options are ignored. Raises InfeasibleBudget when an op cannot
+    +13.6% keeping them). Raises InfeasibleBudget when an op cannot
     fit even after evicting everything evictable (DTR has no lower bound to report: the floor
     is where it fails).
     """

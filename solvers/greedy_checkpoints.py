@@ -47,11 +47,10 @@ def _greedy(graph: RematGraph, budget: int | None, forward_once: bool, deadline:
     return best
 
 
-def solve_greedy_checkpoints(graph: RematGraph, budget: int | None = None, time_limit: float = 10.0,
-                             **options: object) -> Schedule:
+def solve_greedy_checkpoints(graph: RematGraph, budget: int | None = None, time_limit: float = 10.0) -> Schedule:
     """Best of two families: recompute forward activations in the forward phase too (fits the
     tightest budgets) or run the forward once (much faster when it fits). `time_limit` caps the
-    search (the best schedule so far is returned); other options are ignored. Raises
+    search (the best schedule so far is returned). Raises
     InfeasibleBudget if no schedule of either family fits."""
     start = time.perf_counter()
     results = []

@@ -343,7 +343,7 @@ def _improve(family: _Family, best: _Trial, deadline: float, good_enough: float)
 
 
 def solve_peak_shaving(graph: RematGraph, budget: int, time_limit: float = 2.0, good_enough: float = 0.0,
-                       seeds: Sequence[Schedule] | None = None, **_: object) -> Schedule:
+                       seeds: Sequence[Schedule] | None = None) -> Schedule:
     """The fastest schedule of the family found within `time_limit` seconds, or the first found
     whose time is at most `good_enough` (a proven floor plus a gap: searching on cannot pay).
 

@@ -478,7 +478,7 @@ def schedule_chain(graph: RematGraph, chain: Chain, budget: int, slots: int, sol
     return best
 
 
-def solve_rotor(graph: RematGraph, budget: int, slots: int = 500, **_: object) -> Schedule:
+def solve_rotor(graph: RematGraph, budget: int, slots: int = 500) -> Schedule:
     """Rotor's optimal checkpointing of the chain of blocks (whole blocks kept or recomputed).
     Raises InfeasibleBudget when no plan of the chain fits."""
     start = time.perf_counter()

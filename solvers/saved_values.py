@@ -200,8 +200,7 @@ def saved_values_attempts(graph: RematGraph, budget: int, time_limit: float = 5.
     return found
 
 
-def solve_saved_values(graph: RematGraph, budget: int, time_limit: float = 5.0, attempts: int = 8,
-                       **_: object) -> Schedule:
+def solve_saved_values(graph: RematGraph, budget: int, time_limit: float = 5.0, attempts: int = 8) -> Schedule:
     """The fastest schedule of the family found within `budget` bytes (`saved_values_attempts`).
     Raises InfeasibleBudget when no attempt fits."""
     start = time.perf_counter()

@@ -33,9 +33,8 @@ def sqrt_segments(graph: RematGraph, segments: int | None = None) -> list[list[s
     return result
 
 
-def solve_sqrt_segments(graph: RematGraph, budget: int | None = None, segments: int | None = None,
-                        **options: object) -> Schedule:
-    """`segments`: number of segments (default sqrt of the forward length); others ignored."""
+def solve_sqrt_segments(graph: RematGraph, budget: int | None = None, segments: int | None = None) -> Schedule:
+    """`segments`: number of segments (default sqrt of the forward length)."""
     start = time.perf_counter()
     computes = segment_recompute_order(graph, sqrt_segments(graph, segments))
     schedule = fixed_schedule(graph, computes, len(graph.forward_nodes),

@@ -10,8 +10,9 @@ from solvers.schedule import Schedule
 from solvers.simulate import fixed_schedule
 
 
-def solve_store_all(graph: RematGraph, budget: int | None = None, **options: object) -> Schedule:
-    """`options` are accepted (and ignored) so every solver shares one call signature."""
+def solve_store_all(graph: RematGraph, budget: int | None = None) -> Schedule:
+    """Every node once, in graph order, each value freed after its last use: the fastest
+    schedule and the largest peak, the reference of every budget ratio."""
     start = time.perf_counter()
     computes = [n.name for n in graph.nodes]
     schedule = fixed_schedule(graph, computes, len(graph.forward_nodes),

@@ -132,13 +132,13 @@ def _schedule_at(graph: RematGraph, ratio: float, budget: int | None) -> Schedul
 
 
 def solve_torch_budget(graph: RematGraph, budget: int | None = None, ratio: float | None = None,
-                       grid_points: int = 9, bisection_steps: int = 3, **options: object) -> Schedule:
+                       grid_points: int = 9, bisection_steps: int = 3) -> Schedule:
     """PyTorch's partitioner's schedule for `graph` (captured: `graph.joint` is needed).
 
     `ratio` set: use that `activation_memory_budget` (a budget, if given, is only checked).
     Else, with a byte `budget`, search the ratio (see `_search_ratio`); the chosen one is in
     `schedule.extra["ratio"]`, every ratio tried and its peak in `extra["probes"]`. Without
-    either, ratio 1 (PyTorch's default). Other options are ignored.
+    either, ratio 1 (PyTorch's default).
     Raises ValueError for graphs without a joint fx graph (imported ones), InfeasibleBudget when
     no ratio tried fits.
     """
