@@ -10,9 +10,8 @@ from solvers.checkmate_graphs import checkmate_reference_peak, load_checkmate_gr
 from solvers.checkpoint_blocks import solve_checkpoint_blocks
 from solvers.dtr import solve_dtr
 from solvers.greedy_checkpoints import solve_greedy_checkpoints
-from solvers.ilp import solve_ilp
 from solvers.peak_shaving import solve_peak_shaving
-from solvers.portfolio import solve_ilp_warm, solve_rockmate
+from solvers.portfolio import solve_ilp, solve_rockmate
 from solvers.rotor import solve_rotor
 from solvers.saved_values import solve_saved_values
 from solvers.schedule import Op, Schedule
@@ -26,7 +25,7 @@ SOLVERS: dict[str, Callable[..., Schedule]] = {
     "checkpoint_blocks": solve_checkpoint_blocks,
     "sqrt_segments": solve_sqrt_segments,
     "greedy_checkpoints": solve_greedy_checkpoints,
-    "ilp": solve_ilp_warm,
+    "ilp": solve_ilp,
     "rotor": solve_rotor,
     "rockmate": solve_rockmate,
     "dtr": solve_dtr,
@@ -47,7 +46,7 @@ __all__ = [
     "CAPTURED_GRAPH_SOLVERS", "RUNTIME_SOLVERS", "SOLVERS", "InfeasibleBudget", "InvalidSchedule", "Op",
     "Schedule", "SimulationResult", "budget_bounds", "checkmate_reference_peak", "format_bytes",
     "free_at_last_use", "load_checkmate_graph", "min_feasible_budget", "simulate", "solver_options",
-    "solve_checkpoint_blocks", "solve_dtr", "solve_greedy_checkpoints", "solve_ilp", "solve_ilp_warm",
+    "solve_checkpoint_blocks", "solve_dtr", "solve_greedy_checkpoints", "solve_ilp",
     "solve_peak_shaving", "solve_rockmate", "solve_rotor", "solve_saved_values", "solve_sqrt_segments",
     "solve_store_all", "solve_torch_budget",
 ]

@@ -1,4 +1,6 @@
-"""`solve_ilp`: the time-optimal schedule under a memory budget, by Checkmate's MILP on HiGHS.
+"""`solve_milp`: the time-optimal schedule under a memory budget, by Checkmate's MILP on HiGHS.
+
+(The solver `ilp`, `solvers.portfolio.solve_ilp`, runs it warm-started from the heuristics.)
 
 Around the model (solvers/ilp_model.py) this file does what makes it dependable:
 - budgets below the proven floor are refused at once with the floor in the message;
@@ -27,7 +29,7 @@ from solvers.simulate import InfeasibleBudget, InvalidSchedule, OverBudget, sche
 
 log = logging.getLogger(__name__)
 
-def solve_ilp(graph: RematGraph, budget: int, time_limit: float = 60, mip_rel_gap: float = 0.01,
+def solve_milp(graph: RematGraph, budget: int, time_limit: float = 60, mip_rel_gap: float = 0.01,
               known: Sequence[Schedule] = (), floor: float | None = None) -> Schedule:
     """Minimise total compute time with peak memory <= budget (bytes).
 

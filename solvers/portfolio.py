@@ -8,7 +8,7 @@ keeps the fastest schedule that fits:
 - Rockmate's chain plan (`solvers.rockmate`): each distinct block solved by Checkmate's MILP
   for a grid of budgets, one option per block chosen by rotor's dynamic program; and rotor's
   own plan of whole blocks;
-- Checkmate's flat MILP (`solvers.ilp`), warm-started from the best of them, on graphs small
+- Checkmate's flat MILP (`solvers.ilp.solve_milp`), warm-started from the best of them, on graphs small
   enough for it or without a chain of blocks.
 
 The proven floor on time (`solvers.bounds.time_lower_bound`) is computed once per plan, here:
@@ -28,7 +28,7 @@ from rkgraph.units import format_bytes
 from solvers.bounds import check_budget, time_lower_bound
 from solvers.dtr import solve_dtr
 from solvers.greedy_checkpoints import solve_greedy_checkpoints
-from solvers.ilp import solve_ilp
+from solvers.ilp import solve_milp
 from solvers.peak_shaving import solve_peak_shaving
 from solvers.rockmate import chain_schedules
 from solvers.rotor import chain_blocks
@@ -143,7 +143,7 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
                 # Something already fits: the flat MILP rarely improves on it on whole models,
                 # so it only gets a short look, from it.
                 remaining = min(remaining, max(FLAT_ILP_MIN_LOOK, 0.1 * time_limit))
-            candidates.append(solve_ilp(graph, budget, time_limit=remaining, mip_rel_gap=gap, known=candidates,
+            candidates.append(solve_milp(graph, budget, time_limit=remaining, mip_rel_gap=gap, known=candidates,
                                         floor=floor))
     if not candidates:
         raise InfeasibleBudget(f"no schedule found within {budget} bytes ({format_bytes(budget)}); "
@@ -164,15 +164,15 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
     return schedule
 
 
-def solve_ilp_warm(graph: RematGraph, budget: int, time_limit: float = 60, mip_rel_gap: float = 0.01) -> Schedule:
-    """Checkmate's flat MILP (`solvers.ilp.solve_ilp`) warm-started from the heuristics' best:
+def solve_ilp(graph: RematGraph, budget: int, time_limit: float = 60, mip_rel_gap: float = 0.01) -> Schedule:
+    """The solver `ilp`: Checkmate's flat MILP (`solvers.ilp.solve_milp`) warm-started from the heuristics' best:
     the minimum-memory and segment baselines are so slow a start that HiGHS may never improve
     on them in time."""
     bounds = check_budget(graph, budget)
     fitting = [s for s in bounds.candidates if s.predicted_peak <= budget]
     if any(s.solver == "store_all" for s in fitting):  # nothing to search: solve_ilp says so
-        return solve_ilp(graph, budget, time_limit=time_limit, mip_rel_gap=mip_rel_gap)
+        return solve_milp(graph, budget, time_limit=time_limit, mip_rel_gap=mip_rel_gap)
     floor = time_lower_bound(graph, budget)[0]
     known = heuristic_candidates(graph, budget, time_limit=min(10.0, 0.3 * time_limit),
                                  good_enough=floor * (1 + mip_rel_gap), known=fitting)
-    return solve_ilp(graph, budget, time_limit=time_limit, mip_rel_gap=mip_rel_gap, known=known, floor=floor)
+    return solve_milp(graph, budget, time_limit=time_limit, mip_rel_gap=mip_rel_gap, known=known, floor=floor)

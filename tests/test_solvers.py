@@ -31,6 +31,7 @@ from solvers import (
     solve_saved_values,
     solve_sqrt_segments,
     solve_store_all,
+    solver_options,
 )
 from solvers.bounds import min_memory_schedule, time_lower_bound
 from solvers.ilp_model import CheckmateMilp, memory_unit, stages_of
@@ -286,7 +287,9 @@ def test_the_time_floor_counts_the_inputs_of_what_is_made_again(monkeypatch: pyt
     closure MILP does not, and on this graph it meets the optimum."""
     graph = random_training_graph(47, max_forward=8)
     optimum = CheckmateMilp(graph, 1, 245).solve(20, 0)
-    assert optimum.status == "Optimal" and optimum.objective == 162
+    assert optimum.status == "Optimal" and optimum.objective == pytest.approx(162, rel=1e-9)
+    # Time enough for the closure MILPs on a loaded machine: a solve cut short proves less.
+    monkeypatch.setattr(bounds, "CLOSURE_TIME", 60.0)
     assert time_lower_bound(graph, 245)[0] == pytest.approx(162, rel=1e-5)
     monkeypatch.setattr(bounds, "CLOSURE_STEPS", 0)
     assert time_lower_bound(graph, 245)[0] == 135
@@ -461,9 +464,12 @@ def test_ilp_equals_brute_force_on_four_node_graphs(seed: int, fraction: float) 
         assert time_lower_bound(graph, budget)[0] <= expected + 1e-9
 
 
-def test_every_registered_solver_has_the_common_signature() -> None:
+def test_every_registered_solver_runs_from_the_registry_and_refuses_what_it_does_not_take() -> None:
     graph = chain_graph(3)
     budget = solve_store_all(graph).predicted_peak
     for name, solve in SOLVERS.items():
-        s = solve(graph, budget, time_limit=5)
+        options = {"time_limit": 5} if "time_limit" in solver_options(name) else {}
+        s = solve(graph, budget, **options)
         assert simulate(graph, s, budget).peak <= budget, name
+        with pytest.raises(TypeError, match="no_such_option"):
+            solve(graph, budget, no_such_option=1)

@@ -1,0 +1,40 @@
+"""The planner is a plain function over a captured joint graph: no nn.Module wrapper, no runtime."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rkgraph.capture import capture_joint
+from rockplan import zoo
+from rockplan.codegen import generate
+from rockplan.planner import PlanOptions, check_solver, plan
+from solvers import InfeasibleBudget, simulate
+
+
+def test_plan_takes_a_joint_graph_and_returns_a_checked_schedule() -> None:
+    model, args, kwargs, _ = zoo.make("mlp", "tiny")
+    joint = capture_joint(model, args, kwargs)
+    planned = plan(joint, 0.9, PlanOptions(profile="estimate", solver_options={"time_limit": 5}))
+    assert planned.budget == int(0.9 * planned.reference.predicted_peak)
+    assert simulate(planned.graph, planned.schedule, planned.budget).peak == planned.schedule.predicted_peak
+    assert planned.schedule.predicted_peak <= planned.budget < planned.graph_store_all.predicted_peak
+    forward, backward = generate(planned.joint, planned.graph, planned.schedule)
+    assert isinstance(forward, torch.fx.GraphModule) and isinstance(backward, torch.fx.GraphModule)
+
+
+def test_plan_refuses_a_budget_below_the_floor_with_the_smallest_feasible_one() -> None:
+    model, args, kwargs, _ = zoo.make("mlp", "tiny")
+    joint = capture_joint(model, args, kwargs)
+    with pytest.raises(InfeasibleBudget, match="smallest feasible budget"):
+        plan(joint, 1, PlanOptions(profile="estimate"))
+
+
+def test_unknown_solvers_and_options_are_refused_with_what_is_accepted() -> None:
+    with pytest.raises(ValueError, match="choose one of"):
+        check_solver("no_such_solver", {})
+    with pytest.raises(ValueError, match="takes no option 'gap'.*heuristic"):
+        check_solver("dtr", {"gap": 0.1})
+    with pytest.raises(ValueError, match="takes no option"):
+        PlanOptions(solver="rockmate", solver_options={"timelimit": 3})
+    check_solver("rockmate", {"time_limit": 3, "gap": 0.05})
