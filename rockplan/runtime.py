@@ -28,11 +28,11 @@ from rkgraph.capture import (
     flat_tensors,
     flatten_call,
     joint_graph,
-    lean_variant,
     trace,
     training_function,
 )
 from rkgraph.graph import RematGraph
+from rkgraph.rewrites import apply_rewrites, lean_variant
 from rockplan.budget import format_bytes, parse_budget
 from rockplan.codegen import generate, rng_state_bytes, saved_for_backward
 from rockplan.decisions import decide
@@ -174,7 +174,7 @@ class Rockmate(nn.Module):
         result: dict[str, Any] = {}
 
         def plan_and_generate(joint_module: fx.GraphModule, _inputs: Any, *, num_fwd_outputs: int, **_: Any):
-            joint = joint_graph(flat, joint_module, num_fwd_outputs)
+            joint = apply_rewrites(joint_graph(flat, joint_module, num_fwd_outputs))
             graph = self._graph(joint, real, self.profile)
             store_all = solve_store_all(graph)
             budget = parse_budget(self.budget_spec, store_all.predicted_peak)

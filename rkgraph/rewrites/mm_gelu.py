@@ -17,7 +17,7 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import register_flop_formula
 
-from rkgraph.rewrite import RESHAPES, call, erase_unused, only_user
+from rkgraph.rewrites.fx_helpers import RESHAPES, call, erase_unused, only_user
 
 aten = torch.ops.aten
 

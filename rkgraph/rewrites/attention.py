@@ -29,8 +29,8 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import register_flop_formula
 
-from rkgraph.dropout import apply_dropout_mask_into
-from rkgraph.rewrite import RESHAPES, call, detach_chains, erase_unused, only_user, positions
+from rkgraph.rewrites.dropout import apply_dropout_mask_into
+from rkgraph.rewrites.fx_helpers import RESHAPES, call, detach_chains, erase_unused, only_user, positions
 
 aten = torch.ops.aten
 

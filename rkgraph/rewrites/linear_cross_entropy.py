@@ -29,8 +29,8 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils.flop_counter import register_flop_formula
 
 from rkgraph.build import is_view
-from rkgraph.cross_entropy import _MEAN, _SUM
-from rkgraph.rewrite import RESHAPES, call, detach_chains, erase_unused, only_user, positions
+from rkgraph.rewrites.cross_entropy import _MEAN, _SUM
+from rkgraph.rewrites.fx_helpers import RESHAPES, call, detach_chains, erase_unused, only_user, positions
 
 aten = torch.ops.aten
 
