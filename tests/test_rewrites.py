@@ -3,6 +3,11 @@ run on real tensors."""
 
 from __future__ import annotations
 
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -437,3 +442,94 @@ def test_gelu_backward_written_into_its_product_makes_the_same_bits(
         assert torch.equal(g, e)
     assert rkgraph.rewrites.mm_gelu.fuse_mm_gelu_backward(joint.module) == 0  # nothing left to fuse
 
+
+# --- the table, and the imports ------------------------------------------------------------
+
+# Our ops by the names graphs and plan files hold.
+_OUR_OPS = ["rkgraph.dropout_mask.default", "rkgraph.apply_dropout_mask.default",
+            "rkgraph.log_softmax_nll_backward.default", "rkgraph.linear_cross_entropy.default",
+            "rkgraph.mm_gelu_backward.default", "rkgraph.attention.default", "rkgraph.attention_backward.default",
+            "rkgraph.pack_mask.default", "rkgraph.unpack_mask.default"]
+
+
+def test_table_names_each_rewrite_once_with_its_ops() -> None:
+    table = rkgraph.rewrites.REWRITES
+    assert len({r.name for r in table}) == len(table)
+    assert sorted(str(op) for r in table for op in r.ops) == sorted(_OUR_OPS)
+    assert {r.applies for r in table} == {"always", "lean"}
+    for r in table:
+        assert r.ops and set(r.scratch) <= set(r.ops) and r.description and "\n" not in r.description
+    # The lean ones run after the ones they read (the attention reads the dropout's split).
+    kinds = [r.applies for r in table]
+    assert kinds == sorted(kinds)  # "always" < "lean"
+
+
+def _module_imports(path: Path, modules: set[str]) -> set[str]:
+    """The modules of `modules` that `path` imports when it is imported: the statements run at
+    import time, not those inside functions or under `if TYPE_CHECKING:`."""
+    found: set[str] = set()
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse)
+                continue
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                for a in node.names:
+                    sub = f"{node.module}.{a.name}"
+                    found.add(sub if sub in modules else node.module)
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                visit(getattr(node, field, []))
+
+    visit(ast.parse(path.read_text()).body)
+    return found & modules
+
+
+def test_rkgraph_modules_import_each_other_without_a_circle() -> None:
+    """No module of rkgraph imports, at import time and through others, itself (a package's
+    submodules reading the package they are in is Python's import order, not a circle)."""
+    root = Path(rkgraph.__file__).parent.parent
+    paths = {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in (root / "rkgraph").rglob("*.py")}
+    edges = {m: _module_imports(p, set(paths)) - {m} for m, p in paths.items()}
+    assert "rkgraph.capture" in paths and not edges["rkgraph.capture"] & {"rkgraph.rewrites", "rkgraph.profile"}
+
+    def circle_from(start: str) -> list[str] | None:
+        stack = [(start, [start])]
+        while stack:
+            module, path = stack.pop()
+            for nxt in edges[module]:
+                if nxt == start:
+                    return [*path, start]
+                if nxt not in path:
+                    stack.append((nxt, [*path, nxt]))
+        return None
+
+    circles = [c for m in paths if (c := circle_from(m)) is not None]
+    assert not circles, " -> ".join(circles[0])
+
+
+@pytest.mark.parametrize("entry", ["rkgraph.graph", "solvers", "rockplan.rng"])
+def test_our_ops_are_registered_by_any_import(entry: str) -> None:
+    """Plan files and generated code name our ops (`rkgraph.dropout_mask.default`); whichever of
+    the project's modules a fresh interpreter imports first, they resolve, and a recorded draw
+    replays by name."""
+    code = f"""
+import importlib, torch
+importlib.import_module({entry!r})
+for name in {_OUR_OPS!r}:
+    namespace, packet, overload = name.split(".")
+    getattr(getattr(getattr(torch.ops, namespace), packet), overload)
+from rockplan.rng import replay
+state = torch.get_rng_state()
+first = torch.ops.rkgraph.dropout_mask([64], [1], 0.5, torch.device("cpu"))
+again = replay(state, torch.device("cpu"), "rkgraph.dropout_mask.default", [64], [1], 0.5, torch.device("cpu"))
+assert torch.equal(first, again)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(rkgraph.__file__).parent.parent)
+    assert done.returncode == 0, done.stderr
