@@ -87,6 +87,11 @@ class RematGraph:
             n.name: tuple(dict.fromkeys(d for d in n.inputs if self.data[d].kind not in SOURCE_KINDS))
             for n in self.nodes}
 
+    def __repr__(self) -> str:
+        """One line of counts: the dataclass's own repr would list every node (tens of kilobytes)."""
+        return (f"RematGraph({self.name!r}, {len(self.nodes)} compute nodes ({len(self.forward_nodes)} forward), "
+                f"{len(self.data)} data nodes, {len(self.blocks)} blocks in {len(set(self.block_classes))} classes)")
+
     def node(self, name: str) -> ComputeNode:
         return self.nodes[self.index[name]]
 
