@@ -1,8 +1,8 @@
 """Split dropout into its random mask and the mask's cheap application.
 
 `native_dropout(x, p)` returns its output and the bool mask the backward reads. Recomputing
-the output means drawing the mask again (replaying the RNG state): on CPU that draw is about
-90% of the op's time. Split into `mask = dropout_mask(shape, stride, p)` and
+the output means drawing the mask again (replaying the RNG state): on CPU that draw is most
+of the op's time. Split into `mask = dropout_mask(shape, stride, p)` and
 `out = apply_dropout_mask(x, mask, 1 / (1 - p))`, the output can be dropped and remade from
 `x` and the mask, which the backward keeps anyway (softmax's backward keeps `x` in
 attention), for a pointwise multiply. The mask is a quarter of the output's bytes (bool
