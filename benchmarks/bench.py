@@ -35,7 +35,7 @@ import torch
 from torch._dynamo.backends.debugging import aot_eager
 from torch.utils.checkpoint import checkpoint
 
-from rkgraph.capture import lean_rewrites
+from rkgraph.rewrites import lean_rewrites
 from rockplan import Rockmate, zoo
 from rockplan.budget import format_bytes
 from rockplan.memory import measure_step, steady_cpu_heap

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from torch import fx  # noqa: E402
 
 import rockplan.module  # noqa: E402
-from rkgraph.capture import lean_rewrites  # noqa: E402
+from rkgraph.rewrites import lean_rewrites  # noqa: E402
 from rockplan import Rockmate, steady_cpu_heap, zoo  # noqa: E402
 
 

@@ -10,7 +10,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from rkgraph.build import build_graph
-from rkgraph.capture import CaptureError, JointGraph, capture_joint
+from rkgraph.capture import CaptureError, JointGraph, trace_joint
 from rkgraph.graph import ComputeNode, DataNode, RematGraph
 from rkgraph.partition import partition
 from rkgraph.profile import (
@@ -22,14 +22,22 @@ from rkgraph.profile import (
     random_tangents,
     share_profile,
 )
+from rkgraph.rewrites import REWRITES, apply_rewrites, lean_rewrites, lean_variant
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "AllocatorEvents", "CaptureError", "ComputeNode", "DataNode", "JointGraph", "RematGraph", "build_graph",
-    "capture", "capture_joint", "estimate_scratch", "estimate_times", "measure_scratch", "measure_times", "partition",
-    "profile_graph", "random_tangents", "share_profile",
+    "REWRITES", "AllocatorEvents", "CaptureError", "ComputeNode", "DataNode", "JointGraph", "RematGraph",
+    "apply_rewrites", "build_graph", "capture", "capture_joint", "estimate_scratch", "estimate_times", "lean_rewrites",
+    "lean_variant", "measure_scratch", "measure_times", "partition", "profile_graph", "random_tangents",
+    "share_profile",
 ]
+
+
+def capture_joint(model: torch.nn.Module, args: Any, kwargs: dict | None = None) -> JointGraph:
+    """Trace one training step of `model` on `args`/`kwargs` and return the joint graph, with the
+    rewrites that always apply applied (`rkgraph.rewrites`)."""
+    return apply_rewrites(trace_joint(model, args, kwargs))
 
 
 def profile_graph(

@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import fx
 
+from rkgraph.capture import JointGraph
 from rkgraph.graph import SOURCE_KINDS, ComputeNode, DataNode, RematGraph
-
-if TYPE_CHECKING:  # capture imports the rewrites, which use is_view from here
-    from rkgraph.capture import JointGraph
 
 # Ops whose output shares its input's storage although their schema does not say so.
 _ALIASING_OPS = {torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default}

@@ -3,13 +3,14 @@
 We use AOTAutograd itself (the machinery under torch.compile): it traces with fake tensors,
 functionalizes in-place ops and buffer mutations, and hands the joint graph to a partition
 function. `training_function` builds the AOTAutograd callable with a caller-supplied
-partition function (rockplan's planner plugs in there); `capture` only records the graph.
+partition function (rockplan's planner plugs in there); `trace_joint` only records the graph.
+This module only traces: the graph rewrites (`rkgraph.rewrites`) are applied by whoever takes
+the joint graph from here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools
 import inspect
@@ -28,13 +29,6 @@ from torch._functorch.aot_autograd import aot_function, make_boxed_compiler
 from torch._functorch.partitioners import default_partition
 from torch._subclasses import FakeTensorMode
 from torch.func import functional_call
-
-from rkgraph.attention import fuse_attention
-from rkgraph.cross_entropy import fuse_cross_entropy_backward
-from rkgraph.dropout import pack_saved_masks, split_dropout
-from rkgraph.graph import RematGraph
-from rkgraph.linear_cross_entropy import fuse_linear_cross_entropy
-from rkgraph.mm_gelu import fuse_mm_gelu_backward
 
 log = logging.getLogger(__name__)
 
@@ -247,8 +241,9 @@ def trace(
             raise CaptureError(_explain_trace_failure(model, e)) from e
 
 
-def capture_joint(model: torch.nn.Module, args: Any, kwargs: dict | None = None) -> JointGraph:
-    """Trace one training step of `model` on `args`/`kwargs` and return the joint graph."""
+def trace_joint(model: torch.nn.Module, args: Any, kwargs: dict | None = None) -> JointGraph:
+    """Trace one training step of `model` on `args`/`kwargs` and return the joint graph as
+    AOTAutograd makes it, not rewritten (`rkgraph.capture_joint` rewrites it)."""
     args = args if isinstance(args, tuple) else (args,)
     kwargs = kwargs or {}
     flat = flatten_call(model, args, kwargs)
@@ -263,52 +258,13 @@ def capture_joint(model: torch.nn.Module, args: Any, kwargs: dict | None = None)
 
 
 def joint_graph(flat: FlatCall, joint: fx.GraphModule, num_fwd_outputs: int) -> JointGraph:
-    """Wrap AOTAutograd's joint graph, rewritten in place for memory: dropout split so that
-    its output is cheap to recompute, cross-entropy's backward fused (one logits-sized
-    gradient instead of two), a head matmul and its cross-entropy fused (the logits made and
-    used a chunk of rows at a time), GELU's backward written into the product before it."""
-    # Fusing the head reads the fused backward; `+` runs them all, in order.
-    if (split_dropout(joint) + fuse_cross_entropy_backward(joint) + fuse_linear_cross_entropy(joint)
-            + fuse_mm_gelu_backward(joint)):
-        joint.graph.lint()
-        joint.recompile()
+    """Wrap AOTAutograd's joint graph with what its primal inputs are; the graph is not changed."""
     kinds = ["param"] * len(flat.param_names) + ["buffer"] * len(flat.buffer_names)
     kinds += ["input"] * len(flat.input_names)
     names = flat.param_names + flat.buffer_names + flat.input_names
     primals = [p.name for p in joint.graph.find_nodes(op="placeholder") if not p.name.startswith("tangents")]
     mutated = frozenset(primals[i] for i in flat.mutated)
     return JointGraph(joint, num_fwd_outputs, kinds, names, mutated)
-
-
-def lean_variant(joint: JointGraph) -> JointGraph | None:
-    """A copy of `joint` that holds less for a recomputation or two: attentions make their
-    probabilities a few heads at a time (`rkgraph.attention`), and masks the backward reads
-    are kept packed (`rkgraph.dropout.pack_saved_masks`); None when neither applies. A
-    variant, not a rewrite of `joint`: it costs time that only tight budgets repay."""
-    graph = fx.Graph()
-    graph._codegen = copy.deepcopy(joint.module.graph._codegen)  # the (primals, tangents) signature
-    graph.output(graph.graph_copy(joint.module.graph, {}))  # nodes' meta is shared, not copied
-    module = fx.GraphModule(joint.module, graph)
-    # The attention first: it reads the mask it replaces the backward's application of.
-    if not fuse_attention(module) + pack_saved_masks(module):
-        return None
-    module.graph.lint()
-    module.recompile()
-    return dataclasses.replace(joint, module=module)
-
-
-# What each of `lean_variant`'s rewrites leaves in a graph, and what it does, in words.
-_LEAN_REWRITES = {
-    "rkgraph.attention_backward.default":
-        "attention fused: its probabilities are made again in the backward, a few heads at a time",
-    "rkgraph.unpack_mask.default": "masks packed: the dropout masks the backward reads are kept eight to a byte",
-}
-
-
-def lean_rewrites(graph: RematGraph) -> list[str]:
-    """`lean_variant`'s rewrites that `graph` holds, in words; none for autograd's graph."""
-    ops = {node.op for node in graph.nodes}
-    return [words for op, words in _LEAN_REWRITES.items() if op in ops]
 
 
 # Ops whose Python decomposition torch._decomp registers for the Autograd and

@@ -97,6 +97,11 @@ class RematGraph:
         self.mutated_sources = frozenset(d for d, dn in self.data.items() if dn.mutated)
         self.rng_states: dict[str, int] = {n.name: n.rng_state for n in self.nodes if n.rng and n.rng_state}
 
+    def __repr__(self) -> str:
+        """One line of counts: the dataclass's own repr would list every node (tens of kilobytes)."""
+        return (f"RematGraph({self.name!r}, {len(self.nodes)} compute nodes ({len(self.forward_nodes)} forward), "
+                f"{len(self.data)} data nodes, {len(self.blocks)} blocks in {len(set(self.block_classes))} classes)")
+
     def node(self, name: str) -> ComputeNode:
         return self.nodes[self.index[name]]
 

@@ -6,9 +6,9 @@ needs the store-everything memory; when that fails, or when asked, the estimate 
 The estimate is a roofline: max(flops / peak_flops, bytes / bandwidth), with rough device
 figures; solvers only compare times relative to each other. Scratch cannot be estimated: a
 convolution's im2col buffer or a reduction's partial sums are the kernel's business, seen only
-by the allocator (on CPU, 29% of a small ResNet's eager step peak, 1.4% of a larger one's).
-Our own ops' scratch is known from their shapes (`KNOWN_SCRATCH`) and stands in for the
-measurement when there is none.
+by the allocator.
+Our own ops' scratch is known from their shapes (the rewrites' table, `rkgraph.rewrites`) and
+stands in for the measurement when there is none.
 """
 
 from __future__ import annotations
@@ -28,22 +28,11 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils.flop_counter import flop_registry
 
-from rkgraph import attention, dropout, linear_cross_entropy
 from rkgraph.capture import preserved_rng
 from rkgraph.graph import RematGraph
+from rkgraph.rewrites import known_scratch
 
 log = logging.getLogger(__name__)
-
-# Scratch of our own ops, in bytes, from an fx node's shapes: what a measured profile would
-# find (GPT's fused head holds a chunk of logits inside: 9.2 MB, not seen by estimates otherwise).
-KNOWN_SCRATCH: dict[object, Callable[[fx.Node], int]] = {
-    torch.ops.rkgraph.apply_dropout_mask.default: dropout.scratch_bytes,
-    torch.ops.rkgraph.linear_cross_entropy.default: linear_cross_entropy.scratch_bytes,
-    torch.ops.rkgraph.attention.default: attention.scratch_bytes,
-    torch.ops.rkgraph.attention_backward.default: attention.scratch_bytes,
-    torch.ops.rkgraph.pack_mask.default: dropout.packing_scratch_bytes,
-    torch.ops.rkgraph.unpack_mask.default: dropout.packing_scratch_bytes,
-}
 
 # (FLOP/s, bytes/s): order-of-magnitude figures; only ratios between nodes matter.
 _DEVICE_SPEED = {"cpu": (1e11, 2e10), "cuda": (4e14, 3e12)}
@@ -214,12 +203,12 @@ def measure_times(
 
 
 def estimate_scratch(graph: RematGraph, joint: fx.GraphModule) -> None:
-    """Add to each compute node's `workspace` the scratch of its ops that `KNOWN_SCRATCH` knows
-    (the largest among the node's ops): the measurement's stand-in."""
+    """Add to each compute node's `workspace` the scratch of its ops that the rewrites' table
+    knows (`rkgraph.rewrites.known_scratch`; the largest among the node's ops): the
+    measurement's stand-in."""
     fx_nodes = {n.name: n for n in joint.graph.nodes}
     for node in graph.nodes:
-        node.workspace += max((KNOWN_SCRATCH[n.target](n) for n in map(fx_nodes.get, node.fx_nodes)
-                               if n.target in KNOWN_SCRATCH), default=0)
+        node.workspace += max((known_scratch(fx_nodes[n]) for n in node.fx_nodes), default=0)
 
 
 def measure_scratch(

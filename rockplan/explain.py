@@ -13,9 +13,9 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
 
-from rkgraph.capture import lean_rewrites
 from rkgraph.graph import RematGraph
 from rkgraph.render import _common_module, _short_op, backward_block_of, format_time
+from rkgraph.rewrites import lean_rewrites
 from rockplan.budget import format_bytes
 from rockplan.decisions import decide
 from solvers.bounds import time_lower_bound
@@ -55,7 +55,7 @@ def explain(graph: RematGraph, schedule: Schedule, store_all: Schedule,
             considered: Mapping[str, float | str] | None = None) -> str:
     """The table for `schedule` on `graph`; `store_all` is the store-everything schedule.
     `reference`: (peak, time) of autograd's graph storing everything, where `graph` is a
-    variant of it (`rkgraph.capture.lean_variant`): overheads and ratios are against it.
+    variant of it (`rkgraph.rewrites.lean_variant`): overheads and ratios are against it.
     `considered`: the other graphs planned for the same budget and not run, each with its
     plan's predicted time or why it has none.
 

@@ -22,6 +22,7 @@ from torch._dynamo.backends.debugging import boxed_nop
 
 from rkgraph.capture import FlatCall, flat_tensors, flatten_call, joint_graph, trace, training_function
 from rkgraph.graph import RematGraph
+from rkgraph.rewrites import apply_rewrites
 from rockplan.codegen import generate
 from rockplan.decisions import decide
 from rockplan.explain import explain
@@ -162,8 +163,8 @@ class Rockmate(nn.Module):
         planned: list[Plan] = []
 
         def plan_and_generate(joint_module: fx.GraphModule, _inputs: Any, *, num_fwd_outputs: int, **_: Any):
-            planned.append(plan(joint_graph(flat, joint_module, num_fwd_outputs), self.budget_spec, self.options,
-                                real))
+            joint = apply_rewrites(joint_graph(flat, joint_module, num_fwd_outputs))
+            planned.append(plan(joint, self.budget_spec, self.options, real))
             return generate(planned[0].joint, planned[0].graph, planned[0].schedule)
 
         if self.backend == "inductor":

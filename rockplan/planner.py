@@ -24,8 +24,9 @@ from typing import Any, Literal
 import torch
 
 from rkgraph import build_graph, partition, profile_graph
-from rkgraph.capture import JointGraph, lean_variant
+from rkgraph.capture import JointGraph
 from rkgraph.graph import RematGraph
+from rkgraph.rewrites import lean_variant
 from rkgraph.units import format_bytes
 from rockplan.budget import parse_budget
 from rockplan.plan_file import PlanMismatch, load_plan
@@ -86,7 +87,8 @@ def check_solver(solver: str, options: Mapping[str, Any]) -> None:
 
 def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = PlanOptions(),
          real_inputs: list[torch.Tensor] | None = None) -> Plan:
-    """The fastest schedule found for `joint` within `budget` (bytes, a size string, or a ratio
+    """The fastest schedule found for `joint` (as `rkgraph.capture_joint` returns it, rewritten
+    by `rkgraph.rewrites.apply_rewrites`) within `budget` (bytes, a size string, or a ratio
     of the store-everything peak of autograd's graph). `real_inputs` (the primals: parameters,
     buffers, inputs) are what measured profiles run on; without them times are estimated.
     Raises InfeasibleBudget, stating the smallest feasible budget, when nothing fits, and
@@ -163,10 +165,10 @@ def _solve(graph: RematGraph, budget: int, options: PlanOptions,
     if options.plan_file is not None:
         schedule = load_plan(options.plan_file, graph)
     else:
-        solver_options = dict(options.solver_options)
+        given = dict(options.solver_options)
         if floor is not None and "floor" in solver_options(options.solver):
-            solver_options.setdefault("floor", floor)
-        schedule = RUNTIME_SOLVERS[options.solver](graph, budget, **solver_options)
+            given.setdefault("floor", floor)
+        schedule = RUNTIME_SOLVERS[options.solver](graph, budget, **given)
     result = simulate(graph, schedule)
     if result.peak > budget:
         raise InfeasibleBudget(

@@ -22,7 +22,7 @@ PyTorch bounds the saved values' total by a ratio of its own estimate, which a c
 this bounds the memory at every step, in bytes, and HiGHS solves it in a tenth of a second on
 GPT (345 nodes). GPT at 0.5 of its store-all peak, one measured profile: +7.74%, where
 PyTorch's partitioner reaches +7.8% (11 s) and DTR +8.8%; at 0.35, +12.8% against +14.4% and
-+13.6%. Peak shaving, whose family holds this one, starts from it (solvers/candidates.py).
++13.6%. Peak shaving, whose family holds this one, starts from it (solvers/portfolio.py).
 """
 
 from __future__ import annotations

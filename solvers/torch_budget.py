@@ -57,10 +57,10 @@ def partitioner_choice(graph: RematGraph, ratio: float) -> PartitionerChoice:
         warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecation, from deepcopy
         module = copy.deepcopy(joint.module)
     # The partitioner knows random ops by a list of ATen's: it would recompute our dropout
-    # mask draws (rkgraph.dropout), and its CSE would merge those of one shape (no tensor
+    # mask draws (rkgraph.rewrites.dropout), and its CSE would merge those of one shape (no tensor
     # inputs, equal arguments). Marked as values to save, and CSE off. What CSE would merge
     # besides is small: on GPT, each layer's copy of the causal mask (ones, tril, where).
-    # Our fused head (rkgraph.linear_cross_entropy) is the head's forward and backward products
+    # Our fused head (rkgraph.rewrites.linear_cross_entropy) is the head's forward and backward products
     # in one op: unmarked, the partitioner remakes it in the backward to spare its [V, E]
     # output (GPT at 0.5: the whole head thrice again, +19.5% of the step), a trade the unfused
     # graph never offered it. Saved too, so that it plans the graph it would have planned.

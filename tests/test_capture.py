@@ -121,6 +121,16 @@ def test_identical_blocks_share_a_class(net: Net) -> None:
     assert len(set(classes[1:])) == 1  # layers 1..3 look alike (layer 0 follows BatchNorm+ReLU)
 
 
+def test_repr_is_one_line_of_counts(net: Net) -> None:
+    """A graph's repr summarises it in a line instead of listing every node."""
+    graph = rkgraph.capture(net, torch.randn(32, 8))
+    forward = len(graph.forward_nodes)
+    assert repr(graph) == (f"RematGraph('Net', {len(graph.nodes)} compute nodes ({forward} forward), "
+                           f"{len(graph.data)} data nodes, {len(graph.blocks)} blocks in "
+                           f"{len(set(graph.block_classes))} classes)")
+    assert "\n" not in repr(graph) and len(graph.blocks) > 1
+
+
 def test_views_share_storage() -> None:
     class Viewy(nn.Module):
         def __init__(self) -> None:

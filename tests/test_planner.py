@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rkgraph.capture import capture_joint
+from rkgraph import capture_joint
 from rockplan import zoo
 from rockplan.codegen import generate
 from rockplan.planner import PlanOptions, check_solver, plan

@@ -1,10 +1,12 @@
-"""Graph rewrites applied at capture (rkgraph.dropout, rkgraph.cross_entropy,
-rkgraph.linear_cross_entropy): each replaced op pattern against the ATen ops it replaces, run
-on real tensors."""
+"""Graph rewrites (rkgraph.rewrites): each replaced op pattern against the ATen ops it replaces,
+run on real tensors."""
 
 from __future__ import annotations
 
+import ast
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,11 +14,13 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import rkgraph
-from rkgraph.cross_entropy import fuse_cross_entropy_backward
-from rkgraph.dropout import SLICE_ELEMENTS, split_dropout
-from rkgraph.dropout import scratch_bytes as dropout_scratch_bytes
-from rkgraph.linear_cross_entropy import fuse_linear_cross_entropy, scratch_bytes
+import rkgraph.rewrites
+from rkgraph import capture_joint, lean_variant
 from rkgraph.profile import AllocatorEvents
+from rkgraph.rewrites.cross_entropy import fuse_cross_entropy_backward
+from rkgraph.rewrites.dropout import SLICE_ELEMENTS, split_dropout
+from rkgraph.rewrites.dropout import scratch_bytes as dropout_scratch_bytes
+from rkgraph.rewrites.linear_cross_entropy import fuse_linear_cross_entropy, scratch_bytes
 from rockplan import zoo
 from solvers import solve_store_all
 
@@ -147,9 +151,9 @@ def test_cross_entropy_with_class_weights_is_left_alone() -> None:
 
 
 def _without(monkeypatch: pytest.MonkeyPatch, rewrite: str) -> None:
-    """Capture without one rewrite. sys.modules: the package's `capture` function hides its
-    `capture` module."""
-    monkeypatch.setattr(sys.modules["rkgraph.capture"], rewrite, lambda gm: 0)
+    """Capture without one rewrite of the table (and without those left out before)."""
+    monkeypatch.setattr(rkgraph.rewrites, "REWRITES",
+                        tuple(r for r in rkgraph.rewrites.REWRITES if r.name != rewrite))
 
 
 def test_fused_cross_entropy_holds_one_logits_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -157,13 +161,13 @@ def test_fused_cross_entropy_holds_one_logits_gradient(monkeypatch: pytest.Monke
     it is at the loss's backward, where the unfused ops hold three."""
     model, args, kwargs, loss_fn = zoo.make("gpt", "default")
     step = zoo.WithLoss(model, loss_fn)
-    _without(monkeypatch, "fuse_linear_cross_entropy")  # it would replace the fused backward
+    _without(monkeypatch, "linear_cross_entropy")  # it would replace the fused backward
     graph = rkgraph.capture(step, args, kwargs)
     fused = [n for n in graph.nodes if n.op == "rkgraph.log_softmax_nll_backward.default"]
     assert len(fused) == 1 and not any("nll_loss_backward" in n.op for n in graph.nodes)
     (logits_grad,) = fused[0].outputs
     assert graph.data[logits_grad].size == 4 * 255 * 8192 * 4  # the loss shifts targets by one
-    _without(monkeypatch, "fuse_cross_entropy_backward")
+    _without(monkeypatch, "cross_entropy_backward")
     unfused = rkgraph.capture(step, args, kwargs)
     assert any(n.op == "aten.nll_loss_backward.default" for n in unfused.nodes)
     saved = solve_store_all(unfused).predicted_peak - solve_store_all(graph).predicted_peak
@@ -249,7 +253,7 @@ def test_fused_linear_cross_entropy_keeps_no_logits(monkeypatch: pytest.MonkeyPa
     scaling = next(n for n in graph.nodes if n.op == "aten.mul.Tensor" and graph.data[n.outputs[0]].size
                    == 4 * 8192 * 384)
     assert order[scaling.name] > len(graph.nodes) - 10
-    _without(monkeypatch, "fuse_linear_cross_entropy")
+    _without(monkeypatch, "linear_cross_entropy")
     unfused = rkgraph.capture(step, args, kwargs)
     saved = solve_store_all(unfused).predicted_peak - solve_store_all(graph).predicted_peak
     assert saved > logits_bytes
@@ -304,7 +308,6 @@ def test_fused_attention_makes_the_same_bits(case: str) -> None:
     """Attention fused (its probabilities made a few heads at a time, again in the backward):
     the same loss and gradients, bit for bit, as the math path's ops, which it replaces whole.
     In bfloat16 the math path computes in float32 on CPU, and so does the fused op."""
-    from rkgraph.capture import capture_joint, lean_variant
     if case == "gpt":
         model, args, kwargs, loss_fn = zoo.make("gpt", "tiny")
         model, count = zoo.WithLoss(model, loss_fn), 2
@@ -325,7 +328,6 @@ def test_fused_attention_makes_the_same_bits(case: str) -> None:
 
 
 def test_attention_without_dropout_is_left_alone() -> None:
-    from rkgraph.capture import capture_joint, lean_variant
     model = _Attention("causal").eval()  # no dropout: PyTorch's own flash kernel holds no scores
     assert lean_variant(capture_joint(model, (torch.randn(2, 70, 16),))) is None
 
@@ -333,7 +335,7 @@ def test_attention_without_dropout_is_left_alone() -> None:
 def test_fused_attention_scratch_bound_is_what_the_allocator_sees() -> None:
     """The scratch an estimated profile counts for the fused ops bounds what the allocator sees
     inside them, and is below one of the math path's [B, H, T, S] tensors (6 MiB here)."""
-    from rkgraph.attention import scratch_bytes as attention_scratch_bytes
+    from rkgraph.rewrites.attention import scratch_bytes as attention_scratch_bytes
     batch, heads, t, d = 4, 6, 256, 64
     q, v, grad = (torch.randn(batch * heads, t, d) for _ in range(3))
     kt = torch.randn(batch * heads, d, t)
@@ -354,7 +356,7 @@ def test_fused_attention_scratch_bound_is_what_the_allocator_sees() -> None:
 @pytest.mark.parametrize("layout", ["contiguous", "permuted", "one_word"])
 def test_packed_masks_unpack_to_the_same_mask(layout: str) -> None:
     """A mask packed eight to a byte unpacks to the same values in the same layout."""
-    from rkgraph.dropout import CHUNK_WORDS, pack_mask, unpack_mask
+    from rkgraph.rewrites.mask_packing import CHUNK_WORDS, pack_mask, unpack_mask
     torch.manual_seed(0)
     if layout == "contiguous":  # more words than a chunk, and not a whole number of chunks
         mask = torch.rand(3, CHUNK_WORDS + 5, 8) < 0.9
@@ -374,7 +376,6 @@ def test_packed_masks_unpack_to_the_same_mask(layout: str) -> None:
 def test_lean_variant_keeps_the_backwards_masks_packed() -> None:
     """In GPT's lean variant every mask the backward reads reaches it unpacked from its packed
     copy, and the loss and gradients are those of autograd's graph, bit for bit."""
-    from rkgraph.capture import capture_joint, lean_variant
     model, args, kwargs, loss_fn = zoo.make("gpt", "tiny")
     model = zoo.WithLoss(model, loss_fn)
     joint = capture_joint(model, args)
@@ -399,7 +400,7 @@ def test_lean_variant_keeps_the_backwards_masks_packed() -> None:
 
 
 def test_mask_packing_scratch_bound_is_what_the_allocator_sees() -> None:
-    from rkgraph.dropout import packing_scratch_bytes
+    from rkgraph.rewrites.mask_packing import packing_scratch_bytes
     mask = torch.rand(4, 6, 256, 256) < 0.9
     ops = torch.ops.rkgraph
     gm = make_fx(lambda m: ops.unpack_mask(ops.pack_mask(m), list(m.shape), list(m.stride())),
@@ -422,8 +423,7 @@ def test_gelu_backward_written_into_its_product_makes_the_same_bits(
     """A linear layer and GELU on 3-D input (the product seen through reshapes): the captured
     graph's `gelu_backward` and the product before it become one `mm_gelu_backward`, with the
     same loss and gradients, bit for bit, as the graph without the rewrite."""
-    import rkgraph.mm_gelu
-    from rkgraph.capture import capture_joint
+    import rkgraph.rewrites.mm_gelu
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(approximate=approximate),
                                 torch.nn.Linear(64, 16))
     args = (torch.randn(4, 10, 16),)
@@ -432,11 +432,104 @@ def test_gelu_backward_written_into_its_product_makes_the_same_bits(
     assert targets.count(torch.ops.rkgraph.mm_gelu_backward.default) == 1
     assert aten.gelu_backward.default not in targets
     with monkeypatch.context() as patched:
-        patched.setattr(sys.modules["rkgraph.capture"], "fuse_mm_gelu_backward", lambda gm: 0)
+        patched.setattr(rkgraph.rewrites, "REWRITES",
+                        tuple(r for r in rkgraph.rewrites.REWRITES if r.name != "mm_gelu_backward"))
         plain = capture_joint(model, args)
     assert aten.gelu_backward.default in [n.target for n in plain.module.graph.nodes]
     expected, got = _joint_outputs(plain, model, args), _joint_outputs(joint, model, args)
     assert len(got) == len(expected) == 5  # the output and the four parameters' gradients
     for e, g in zip(expected, got, strict=True):
         assert torch.equal(g, e)
-    assert rkgraph.mm_gelu.fuse_mm_gelu_backward(joint.module) == 0  # nothing left to fuse
+    assert rkgraph.rewrites.mm_gelu.fuse_mm_gelu_backward(joint.module) == 0  # nothing left to fuse
+
+
+# --- the table, and the imports ------------------------------------------------------------
+
+# Our ops by the names graphs and plan files hold.
+_OUR_OPS = ["rkgraph.dropout_mask.default", "rkgraph.apply_dropout_mask.default",
+            "rkgraph.log_softmax_nll_backward.default", "rkgraph.linear_cross_entropy.default",
+            "rkgraph.mm_gelu_backward.default", "rkgraph.attention.default", "rkgraph.attention_backward.default",
+            "rkgraph.pack_mask.default", "rkgraph.unpack_mask.default"]
+
+
+def test_table_names_each_rewrite_once_with_its_ops() -> None:
+    table = rkgraph.rewrites.REWRITES
+    assert len({r.name for r in table}) == len(table)
+    assert sorted(str(op) for r in table for op in r.ops) == sorted(_OUR_OPS)
+    assert {r.applies for r in table} == {"always", "lean"}
+    for r in table:
+        assert r.ops and set(r.scratch) <= set(r.ops) and r.description and "\n" not in r.description
+    # The lean ones run after the ones they read (the attention reads the dropout's split).
+    kinds = [r.applies for r in table]
+    assert kinds == sorted(kinds)  # "always" < "lean"
+
+
+def _module_imports(path: Path, modules: set[str]) -> set[str]:
+    """The modules of `modules` that `path` imports when it is imported: the statements run at
+    import time, not those inside functions or under `if TYPE_CHECKING:`."""
+    found: set[str] = set()
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse)
+                continue
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                for a in node.names:
+                    sub = f"{node.module}.{a.name}"
+                    found.add(sub if sub in modules else node.module)
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                visit(getattr(node, field, []))
+
+    visit(ast.parse(path.read_text()).body)
+    return found & modules
+
+
+def test_rkgraph_modules_import_each_other_without_a_circle() -> None:
+    """No module of rkgraph imports, at import time and through others, itself (a package's
+    submodules reading the package they are in is Python's import order, not a circle)."""
+    root = Path(rkgraph.__file__).parent.parent
+    paths = {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in (root / "rkgraph").rglob("*.py")}
+    edges = {m: _module_imports(p, set(paths)) - {m} for m, p in paths.items()}
+    assert "rkgraph.capture" in paths and not edges["rkgraph.capture"] & {"rkgraph.rewrites", "rkgraph.profile"}
+
+    def circle_from(start: str) -> list[str] | None:
+        stack = [(start, [start])]
+        while stack:
+            module, path = stack.pop()
+            for nxt in edges[module]:
+                if nxt == start:
+                    return [*path, start]
+                if nxt not in path:
+                    stack.append((nxt, [*path, nxt]))
+        return None
+
+    circles = [c for m in paths if (c := circle_from(m)) is not None]
+    assert not circles, " -> ".join(circles[0])
+
+
+@pytest.mark.parametrize("entry", ["rkgraph.graph", "solvers", "rockplan.rng"])
+def test_our_ops_are_registered_by_any_import(entry: str) -> None:
+    """Plan files and generated code name our ops (`rkgraph.dropout_mask.default`); whichever of
+    the project's modules a fresh interpreter imports first, they resolve, and a recorded draw
+    replays by name."""
+    code = f"""
+import importlib, torch
+importlib.import_module({entry!r})
+for name in {_OUR_OPS!r}:
+    namespace, packet, overload = name.split(".")
+    getattr(getattr(getattr(torch.ops, namespace), packet), overload)
+from rockplan.rng import replay
+state = torch.get_rng_state()
+first = torch.ops.rkgraph.dropout_mask([64], [1], 0.5, torch.device("cpu"))
+again = replay(state, torch.device("cpu"), "rkgraph.dropout_mask.default", [64], [1], 0.5, torch.device("cpu"))
+assert torch.equal(first, again)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(rkgraph.__file__).parent.parent)
+    assert done.returncode == 0, done.stderr

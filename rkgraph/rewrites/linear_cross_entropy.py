@@ -29,16 +29,14 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils.flop_counter import register_flop_formula
 
 from rkgraph.build import is_view
-from rkgraph.cross_entropy import _MEAN, _SUM
-from rkgraph.rewrite import RESHAPES, call, detach_chains, erase_unused, only_user, positions
+from rkgraph.rewrites.cross_entropy import _MEAN, _SUM
+from rkgraph.rewrites.fx_helpers import RESHAPES, call, detach_chains, erase_unused, only_user, positions
 
 aten = torch.ops.aten
 
 # Rows per chunk. On CPU the gradient of `wt` accumulates one product per chunk, and with
-# fewer rows its reduction dimension gets short: GPT's head (V 8,192, E 384, 1,020 rows) took
-# 1.23x the unfused ops' time in chunks of 64 rows, 1.10x in 128, 1.04x in 256, 0.99x in 512;
-# against eager's head and loss with autograd, 0.91x in 128, 0.82x in 256, 0.79x in 512. A
-# chunk of 256 rows is 8 MiB of GPT's logits, 512 would be 16.
+# fewer rows its reduction dimension gets short and the op slower than the unfused ones; more
+# rows hold more logits at once (256 rows: 8 MiB of GPT's logits).
 CHUNK_ROWS = 256
 
 
@@ -98,8 +96,7 @@ def _flops(x_shape, wt_shape, rows_shape, target_shape, *_args, **_kwargs) -> in
 def scratch_bytes(node: fx.Node) -> int:
     """What a `linear_cross_entropy` node allocates and frees inside (a chunk of logits, its rows
     of `x` and their product with `wt`, per-row vectors): its scratch, known from the shapes,
-    for profiles that do not measure it (the allocator's count at GPT's size: 9,191,372 bytes,
-    this bound 9,208,764)."""
+    for profiles that do not measure it; a bound on what the allocator sees."""
     x, wt, rows, target = (a.meta["val"] if isinstance(a, fx.Node) else a for a in node.args[:4])
     count, size = target.numel(), x.element_size()
     chunk = min(node.args[6], count)

@@ -1,4 +1,4 @@
-"""What the graph rewrites (cross-entropy, linear cross-entropy, attention, dropout, GELU) share:
+"""What the graph rewrites of this package share:
 building a node with its fake value, walking single-user chains, erasing what a rewrite left
 unread. Plain functions over torch.fx's `Graph` and `Node`."""
 

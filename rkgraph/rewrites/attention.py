@@ -29,8 +29,8 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import register_flop_formula
 
-from rkgraph.dropout import apply_dropout_mask_into
-from rkgraph.rewrite import RESHAPES, call, detach_chains, erase_unused, only_user, positions
+from rkgraph.rewrites.dropout import apply_dropout_mask_into
+from rkgraph.rewrites.fx_helpers import RESHAPES, call, detach_chains, erase_unused, only_user, positions
 
 aten = torch.ops.aten
 
@@ -132,10 +132,10 @@ def _backward_flops(grad_shape, q_shape, kt_shape, v_shape, *_args, **_kwargs) -
 
 def scratch_bytes(node: fx.Node) -> int:
     """What an attention node allocates and frees inside, for profiles that do not measure it:
-    [heads, T, S] slices, three in the forward and four in the backward. The allocator sees 2.5
-    to 2.75 and 3.5 of them at GPT's shape (the scores and their softmax, `_safe_softmax`'s
-    test of fully masked rows, the dropout's slice of mask; in the backward also the gradients
-    of the probabilities and the scores)."""
+    [heads, T, S] slices, three in the forward and four in the backward, a bound on what the
+    allocator sees (the scores and their softmax, `_safe_softmax`'s test of fully masked rows,
+    the dropout's slice of mask; in the backward also the gradients of the probabilities and
+    the scores)."""
     backward = node.target is torch.ops.rkgraph.attention_backward.default
     q, kt = (node.args[1:3] if backward else node.args[:2])
     step, per_head = _heads_per_chunk(q.meta["val"], kt.meta["val"], node.args[7 if backward else 6])

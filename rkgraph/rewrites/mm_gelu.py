@@ -5,10 +5,8 @@ a product, `g = mm(grad_out, w)`, that only `gelu_backward(g, h)` reads; the two
 once, with `h`: on GPT's MLP three [rows, 4 * width] tensors (18 MiB at the default size), the
 moments a plan at 0.35 peaks. `mm_gelu_backward(a, b, h)` makes the product and applies GELU's
 backward to it in place: the same kernels on the same values, so the same bits (an
-elementwise kernel writing over its input), and one of the three tensors less.
-
-Predicted on GPT's lean plan at 0.35: +9.0% -> +8.4%. It costs nothing, so it is a rewrite of
-the captured graph, not a variant.
+elementwise kernel writing over its input), and one of the three tensors less. It costs
+nothing, so it is a rewrite of the captured graph, not a variant.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import register_flop_formula
 
-from rkgraph.rewrite import RESHAPES, call, erase_unused, only_user
+from rkgraph.rewrites.fx_helpers import RESHAPES, call, erase_unused, only_user
 
 aten = torch.ops.aten
 
