@@ -1,4 +1,5 @@
-"""Our solvers on the Checkmate paper's graphs, beside the README's reference MILP rows.
+"""Our solvers on the Checkmate paper's graphs, beside the reference MILP rows of their README
+(benchmarks/data/checkmate-graphs/README.md).
 
     python benchmarks/checkmate.py                       # fcn8 and unet, rockmate and ilp, 90 s limit
     python benchmarks/checkmate.py --graphs fcn8 segnet --time-limit 30 --output table.md
@@ -21,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from solvers import (  # noqa: E402  (the path above makes the script runnable from anywhere)
+    CHECKMATE_GRAPHS,
     SOLVERS,
     InfeasibleBudget,
     Schedule,
@@ -31,8 +33,6 @@ from solvers import (  # noqa: E402  (the path above makes the script runnable f
     solve_store_all,
 )
 from solvers.bounds import time_lower_bound  # noqa: E402
-
-GRAPHS = Path("/work/shared/benchmarks/checkmate-graphs")
 
 # (graph, budget fraction) -> (overhead, solve time in s): the README's HiGHS reference rows.
 REFERENCE: dict[tuple[str, float], tuple[float, float]] = {
@@ -76,7 +76,7 @@ def main() -> None:
     lines = [HEADER]
     print(HEADER, flush=True)
     for name in args.graphs:
-        graph = load_checkmate_graph(GRAPHS / f"{name}.json")
+        graph = load_checkmate_graph(CHECKMATE_GRAPHS / f"{name}.json")
         reference_peak = checkmate_reference_peak(graph)
         total = sum(n.time for n in graph.nodes)
         baselines = [solve_store_all(graph), solve_checkpoint_blocks(graph), solve_sqrt_segments(graph)]

@@ -3,7 +3,7 @@
 from collections.abc import Callable
 
 from solvers.bounds import budget_bounds, format_bytes, min_feasible_budget
-from solvers.checkmate_graphs import checkmate_reference_peak, load_checkmate_graph
+from solvers.checkmate_graphs import CHECKMATE_GRAPHS, checkmate_reference_peak, load_checkmate_graph
 from solvers.checkpoint_blocks import solve_checkpoint_blocks
 from solvers.dtr import solve_dtr
 from solvers.greedy_checkpoints import solve_greedy_checkpoints
@@ -36,7 +36,7 @@ CAPTURED_GRAPH_SOLVERS: dict[str, Callable[..., Schedule]] = {"torch_budget": so
 RUNTIME_SOLVERS = SOLVERS | CAPTURED_GRAPH_SOLVERS
 
 __all__ = [
-    "CAPTURED_GRAPH_SOLVERS", "RUNTIME_SOLVERS", "SOLVERS",
+    "CAPTURED_GRAPH_SOLVERS", "CHECKMATE_GRAPHS", "RUNTIME_SOLVERS", "SOLVERS",
     "InfeasibleBudget", "InvalidSchedule", "Op", "Schedule", "SimulationResult",
     "budget_bounds", "checkmate_reference_peak", "format_bytes", "free_at_last_use", "load_checkmate_graph",
     "min_feasible_budget", "simulate", "solve_checkpoint_blocks", "solve_dtr", "solve_greedy_checkpoints", "solve_ilp",
