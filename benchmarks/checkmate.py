@@ -2,8 +2,11 @@
 (benchmarks/data/checkmate-graphs/README.md).
 
     python benchmarks/checkmate.py                       # fcn8 and unet, rockmate and ilp, 90 s limit
-    python benchmarks/checkmate.py --graphs fcn8 segnet --time-limit 30 --output table.md
-    python benchmarks/checkmate.py --graphs fcn8 unet segnet mobilenet --tenth   # a tenth of the reference's time
+    python benchmarks/checkmate.py --graphs fcn8 segnet --time-limit 30 --out table.md
+    python benchmarks/checkmate.py --graphs fcn8 unet segnet mobilenet --tenth --gap 0.00002   # the published page
+
+The table is printed as it grows and written to docs/benchmarks/checkmate.md (`--out`), under
+the header every generated benchmark page shares (`bench_page`).
 
 Budgets are the README's fractions of the peak without rematerialization; overhead is
 (schedule time / sum of all node times) - 1, as in the README. Baselines are listed once per
@@ -20,6 +23,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_page import PAGES, write_page  # noqa: E402  (beside this script, on its path)
 
 from solvers import (  # noqa: E402  (the path above makes the script runnable from anywhere)
     CHECKMATE_GRAPHS,
@@ -70,7 +75,7 @@ def main() -> None:
     parser.add_argument("--tenth", action="store_true",
                         help="limit each solve to a tenth of the reference's time for that row (the issue's target)")
     parser.add_argument("--solvers", nargs="+", default=["rockmate", "ilp"], choices=sorted(SOLVERS))
-    parser.add_argument("--output", type=Path, help="also write the table to this markdown file")
+    parser.add_argument("--out", "--output", type=Path, default=PAGES / "checkmate.md", help="the generated page")
     args = parser.parse_args()
 
     lines = [HEADER]
@@ -91,12 +96,23 @@ def main() -> None:
                     gap = {"ilp": {"mip_rel_gap": args.gap}, "rockmate": {"gap": args.gap}}.get(solver, {})
                     schedules.append(SOLVERS[solver](graph, budget, time_limit=limit, **gap))
                 except InfeasibleBudget as error:
-                    print(f"| {name} | {fraction:.2f} | {solver} | {error} ({time.perf_counter() - start:.1f} s) |")
+                    lines.append(f"| {name} | {fraction:.2f} | {solver} | infeasible: {error} "
+                                 f"({time.perf_counter() - start:.1f} s) |||||||")
+                    print(lines[-1], flush=True)
             for s in schedules:
                 lines.append(row(name, fraction, s, total, reference_peak, bound))
                 print(lines[-1], flush=True)
-    if args.output:
-        args.output.write_text("\n".join(lines) + "\n")
+    limits = ("each solve limited to a tenth of the reference's time for its row" if args.tenth
+              else f"each solve limited to {args.time_limit:g} s")
+    intro = (f"Our solvers ({', '.join(args.solvers)}) and the baselines that fit, on Checkmate's graphs "
+             "(benchmarks/data/checkmate-graphs/, whose README gives their source, the accounting and the "
+             f"reference MILP rows), one solve at a time; {limits}, relative gap {args.gap:g}. Budget: a fraction "
+             "of the graph's peak without rematerialization; overhead: schedule time over the sum of all node "
+             "times, minus 1; lower bound: the proven floor (`solvers.bounds.time_lower_bound`), the smallest "
+             "overhead any schedule within the budget can have; peak: the schedule's simulated peak over the "
+             "peak without rematerialization; status: the solver's, and which schedule it kept; ref.: the "
+             "reference MILP's row, measured on another run of the same kind of machine.")
+    write_page(args.out, "Checkmate's graphs: overhead and solve time", intro + "\n\n" + "\n".join(lines))
 
 
 if __name__ == "__main__":
