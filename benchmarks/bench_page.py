@@ -18,6 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ROOT / "docs" / "benchmarks"
+CPUINFO = "/proc/cpuinfo"  # Linux's description of the CPU: the machine's, not the project's data
 # The machine's load when the script started: the machines are shared, and times read with it.
 _LOAD_AT_START = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
@@ -44,7 +45,7 @@ def revision() -> str:
 def cpu_model() -> str:
     """The CPU's model name as the OS reports it (Linux: /proc/cpuinfo), else the platform's."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+        for line in Path(CPUINFO).read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     except OSError:
