@@ -24,24 +24,28 @@ import argparse
 import copy
 import logging
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-import torch
-from bench_page import PAGES, write_page
-from torch._dynamo.backends.debugging import aot_eager
-from torch.utils.checkpoint import checkpoint
+# The checkout this script is in, before any installed copy, as the other bench scripts do.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rkgraph.capture import lean_rewrites
-from rockplan import zoo
-from rockplan.budget import format_bytes
-from rockplan.memory import measure_step, steady_cpu_heap
-from rockplan.runtime import Rockmate
-from solvers import RUNTIME_SOLVERS, InfeasibleBudget, InvalidSchedule
-from solvers.bounds import time_lower_bound
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from bench_page import PAGES, write_page  # noqa: E402  (beside this script, on its path)
+from torch._dynamo.backends.debugging import aot_eager  # noqa: E402
+from torch.utils.checkpoint import checkpoint  # noqa: E402
+
+from rkgraph.capture import lean_rewrites  # noqa: E402
+from rockplan import zoo  # noqa: E402
+from rockplan.budget import format_bytes  # noqa: E402
+from rockplan.memory import measure_step, steady_cpu_heap  # noqa: E402
+from rockplan.runtime import Rockmate  # noqa: E402
+from solvers import RUNTIME_SOLVERS, InfeasibleBudget, InvalidSchedule  # noqa: E402
+from solvers.bounds import time_lower_bound  # noqa: E402
 
 # Containers whose children a user would wrap in torch.utils.checkpoint, per zoo model.
 CHECKPOINT_CONTAINERS = {
