@@ -1,7 +1,7 @@
 """Side-by-side benchmark: rockplan against PyTorch's own options, measured in one process.
 
-    python benchmarks/bench.py                       # zoo models (and HF GPT-2) at size "default"
-    python benchmarks/bench.py --models gpt --ratios 1.0,0.5 --repeats 3
+    python benchmarks/bench.py                       # zoo models (and HF GPT-2): docs/benchmarks/models.md
+    python benchmarks/bench.py --models gpt --ratios 1.0,0.5 --repeats 3 --out gpt.md
 
 For each model and each budget (a ratio of the no-rematerialization step peak predicted from
 the graph) every method trains the same steps: rockplan (and its solvers run through the same
@@ -13,34 +13,38 @@ eager (store everything). Peaks are measured by the allocator (rockplan's tracke
 allocator's statistics, the CPU allocator's events recorded by torch.profiler), so kernels'
 scratch and compiled code count; at each budget, eager and every method that fits run their
 steps in turn (E A B C E A B C ...), and times are medians reported as ratios to eager's,
-because these machines are shared and noisy. Writes a markdown table and a Pareto plot (step
-time against measured peak, one line per method).
+because these machines are shared and noisy. Writes a markdown page (`bench_page`'s header:
+machine, versions, date, command) and a Pareto plot beside it (step time against measured
+peak, one line per method).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import logging
-import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-import torch
-from torch._dynamo.backends.debugging import aot_eager
-from torch.utils.checkpoint import checkpoint
+# The checkout this script is in, before any installed copy, as the other bench scripts do.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rkgraph.rewrites import lean_rewrites
-from rockplan import Rockmate, zoo
-from rockplan.budget import format_bytes
-from rockplan.memory import measure_step, steady_cpu_heap
-from solvers import RUNTIME_SOLVERS, InfeasibleBudget, InvalidSchedule
-from solvers.bounds import time_lower_bound
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from bench_page import PAGES, write_page  # noqa: E402  (beside this script, on its path)
+from torch._dynamo.backends.debugging import aot_eager  # noqa: E402
+from torch.utils.checkpoint import checkpoint  # noqa: E402
+
+from rkgraph.rewrites import lean_rewrites  # noqa: E402
+from rockplan import Rockmate, zoo  # noqa: E402
+from rockplan.budget import format_bytes  # noqa: E402
+from rockplan.memory import measure_step, steady_cpu_heap  # noqa: E402
+from solvers import RUNTIME_SOLVERS, InfeasibleBudget, InvalidSchedule  # noqa: E402
+from solvers.bounds import time_lower_bound  # noqa: E402
 
 # Containers whose children a user would wrap in torch.utils.checkpoint, per zoo model.
 CHECKPOINT_CONTAINERS = {
@@ -213,14 +217,10 @@ def bench_model(name: str, size: str, ratios: list[float], repeats: int, solvers
     return rows
 
 
-def markdown(rows: list[Row], device: str, args: argparse.Namespace, heap: str) -> str:
+def markdown(rows: list[Row], device: str, heap: str) -> str:
+    """The page's body: the measured rows, then rockplan paired with each other method."""
     lines = [
-        "## Models: measured step peak and step time",
-        "",
-        f"Measured {datetime.date.today().isoformat()} on {device}; torch {torch.__version__}, Python "
-        f"{platform.python_version()}; `python benchmarks/bench.py --models {args.models} --size {args.size} "
-        f"--ratios {args.ratios} --repeats {args.repeats}{' --default-heap' if args.default_heap else ''}`; "
-        f"{heap}. Budget = ratio of "
+        f"Device: {device}; {heap}. Budget = ratio of "
         "the no-rematerialization step peak predicted from the graph (kernels' scratch included); peaks "
         "measured by rockplan's tracker (the allocator: CUDA's statistics, or the CPU allocator's events "
         "recorded by torch.profiler) and include the loss; time vs eager = median over rounds of the step "
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ratios", default="1.0,0.7,0.5,0.35,0.25")
     parser.add_argument("--solvers", default="", help="comma list; default: rockmate (or ilp), rotor, dtr")
     parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--out", default="docs/benchmarks-models.md")
+    parser.add_argument("--out", default=str(PAGES / "models.md"), help="the generated page (and its plot beside it)")
     parser.add_argument("--default-heap", action="store_true",
                         help="leave glibc's malloc thresholds adaptive (see steady_cpu_heap)")
     args = parser.parse_args(argv)
@@ -327,8 +327,7 @@ def main(argv: list[str] | None = None) -> None:
     solvers = args.solvers.split(",") if args.solvers else default
     if "rockmate" not in RUNTIME_SOLVERS and "ilp" not in solvers:
         solvers.insert(0, "ilp")
-    cpu = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     if torch.cuda.is_available():
         heap = "CUDA caching allocator"
     elif not args.default_heap and steady_cpu_heap():
@@ -336,11 +335,15 @@ def main(argv: list[str] | None = None) -> None:
     else:
         heap = "CPU heap: glibc's adaptive thresholds"
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    command_line = (f"python benchmarks/bench.py --models {args.models} --size {args.size} --ratios {args.ratios} "
+                    f"--repeats {args.repeats}{' --solvers ' + args.solvers if args.solvers else ''}"
+                    f"{' --default-heap' if args.default_heap else ''}"
+                    f"{'' if out.resolve() == (PAGES / 'models.md').resolve() else ' --out ' + args.out}")
     rows: list[Row] = []
     for name in args.models.split(","):
         rows += bench_model(name, args.size, [float(r) for r in args.ratios.split(",")], args.repeats, solvers)
-        out.write_text(markdown(rows, device, args, heap))  # after each model: a long run keeps what it measured
+        # After each model: a long run keeps what it measured.
+        write_page(out, "Models: measured step peak and step time", markdown(rows, device, heap), command_line)
         pareto_plot(rows, out.with_suffix(".png"))
     print(out.read_text())
 

@@ -1,8 +1,12 @@
-"""Our solvers on the Checkmate paper's graphs, beside the README's reference MILP rows.
+"""Our solvers on the Checkmate paper's graphs, beside the reference MILP rows of their README
+(benchmarks/data/checkmate-graphs/README.md).
 
     python benchmarks/checkmate.py                       # fcn8 and unet, rockmate and ilp, 90 s limit
-    python benchmarks/checkmate.py --graphs fcn8 segnet --time-limit 30 --output table.md
-    python benchmarks/checkmate.py --graphs fcn8 unet segnet mobilenet --tenth   # a tenth of the reference's time
+    python benchmarks/checkmate.py --graphs fcn8 segnet --time-limit 30 --out table.md
+    python benchmarks/checkmate.py --graphs fcn8 unet segnet mobilenet --tenth --gap 0.00002   # the published page
+
+The table is printed as it grows and written to docs/benchmarks/checkmate.md (`--out`), under
+the header every generated benchmark page shares (`bench_page`).
 
 Budgets are the README's fractions of the peak without rematerialization; overhead is
 (schedule time / sum of all node times) - 1, as in the README. Baselines are listed once per
@@ -20,7 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_page import PAGES, write_page  # noqa: E402  (beside this script, on its path)
+
 from solvers import (  # noqa: E402  (the path above makes the script runnable from anywhere)
+    CHECKMATE_GRAPHS,
     SOLVERS,
     InfeasibleBudget,
     Schedule,
@@ -32,8 +39,6 @@ from solvers import (  # noqa: E402  (the path above makes the script runnable f
     solver_options,
 )
 from solvers.bounds import time_lower_bound  # noqa: E402
-
-GRAPHS = Path("/work/shared/benchmarks/checkmate-graphs")
 
 # (graph, budget fraction) -> (overhead, solve time in s): the README's HiGHS reference rows.
 REFERENCE: dict[tuple[str, float], tuple[float, float]] = {
@@ -71,13 +76,13 @@ def main() -> None:
     parser.add_argument("--tenth", action="store_true",
                         help="limit each solve to a tenth of the reference's time for that row (the issue's target)")
     parser.add_argument("--solvers", nargs="+", default=["rockmate", "ilp"], choices=sorted(SOLVERS))
-    parser.add_argument("--output", type=Path, help="also write the table to this markdown file")
+    parser.add_argument("--out", "--output", type=Path, default=PAGES / "checkmate.md", help="the generated page")
     args = parser.parse_args()
 
     lines = [HEADER]
     print(HEADER, flush=True)
     for name in args.graphs:
-        graph = load_checkmate_graph(GRAPHS / f"{name}.json")
+        graph = load_checkmate_graph(CHECKMATE_GRAPHS / f"{name}.json")
         reference_peak = checkmate_reference_peak(graph)
         total = sum(n.time for n in graph.nodes)
         baselines = [solve_store_all(graph), solve_checkpoint_blocks(graph), solve_sqrt_segments(graph)]
@@ -93,12 +98,23 @@ def main() -> None:
                     taken = {k: v for k, v in options.items() if k in solver_options(solver)}
                     schedules.append(SOLVERS[solver](graph, budget, **taken))
                 except InfeasibleBudget as error:
-                    print(f"| {name} | {fraction:.2f} | {solver} | {error} ({time.perf_counter() - start:.1f} s) |")
+                    lines.append(f"| {name} | {fraction:.2f} | {solver} | infeasible: {error} "
+                                 f"({time.perf_counter() - start:.1f} s) |||||||")
+                    print(lines[-1], flush=True)
             for s in schedules:
                 lines.append(row(name, fraction, s, total, reference_peak, bound))
                 print(lines[-1], flush=True)
-    if args.output:
-        args.output.write_text("\n".join(lines) + "\n")
+    limits = ("each solve limited to a tenth of the reference's time for its row" if args.tenth
+              else f"each solve limited to {args.time_limit:g} s")
+    intro = (f"Our solvers ({', '.join(args.solvers)}) and the baselines that fit, on Checkmate's graphs "
+             "(benchmarks/data/checkmate-graphs/, whose README gives their source, the accounting and the "
+             f"reference MILP rows), one solve at a time; {limits}, relative gap {args.gap:g}. Budget: a fraction "
+             "of the graph's peak without rematerialization; overhead: schedule time over the sum of all node "
+             "times, minus 1; lower bound: the proven floor (`solvers.bounds.time_lower_bound`), the smallest "
+             "overhead any schedule within the budget can have; peak: the schedule's simulated peak over the "
+             "peak without rematerialization; status: the solver's, and which schedule it kept; ref.: the "
+             "reference MILP's row, measured on another run of the same kind of machine.")
+    write_page(args.out, "Checkmate's graphs: overhead and solve time", intro + "\n\n" + "\n".join(lines))
 
 
 if __name__ == "__main__":

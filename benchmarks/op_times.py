@@ -2,6 +2,7 @@
 
     python benchmarks/op_times.py                       # the zoo GPT at 0.35, rockmate, 7 steps
     python benchmarks/op_times.py --model unet --budget 0.5 --steps 9
+    python benchmarks/op_times.py --out docs/benchmarks/op-times.md   # also write the page
 
 Plans the store-all step and the budget's on one measured profile, then runs both, each op of
 the generated code timed inside real training steps (an fx Interpreter as AOTAutograd's
@@ -25,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from bench_page import write_page  # noqa: E402  (beside this script, on its path)
 from torch import fx  # noqa: E402
 
 import rockplan.module  # noqa: E402
@@ -56,6 +58,7 @@ def main() -> None:
     parser.add_argument("--solver", default="rockmate")
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--rows", type=int, default=20, help="op kinds shown, largest difference first")
+    parser.add_argument("--out", type=Path, help="also write the tables to this page (docs/benchmarks/op-times.md)")
     args = parser.parse_args()
 
     steady_cpu_heap()
@@ -101,17 +104,27 @@ def main() -> None:
         return {kind: statistics.median(run.get(kind, 0.0) for run in runs) for kind in {k for r in runs for k in r}}
 
     rewrites = lean_rewrites(plan.graph)
-    print(f"{args.model} at {args.budget}, {args.solver}: {len(plan.graph.nodes)} nodes"
-          f"{' (lean variant: ' + '; '.join(rewrites) + ')' if rewrites else ''}")
+    title = (f"{args.model} at {args.budget}, {args.solver}: {len(plan.graph.nodes)} nodes"
+             f"{' (lean variant: ' + '; '.join(rewrites) + ')' if rewrites else ''}")
+    print(title)
+    page = [f"{title}; {args.steps} steps of each, after a warm-up. Per op kind, largest difference first: the "
+            "profile's time summed over the schedule's computations (predicted) against the median over the steps "
+            "of the kind's time inside real steps (an fx Interpreter as AOTAutograd's compiler)."]
     for label, module in (("store all", store_all), ("plan", plan)):
         pred, got = predicted(module), in_step(measured[label])
-        print(f"\n{label}: predicted {1e3 * sum(pred.values()):.1f} ms, its ops in the step "
-              f"{1e3 * sum(got.values()):.1f} ms (median per kind, summed)")
+        total = (f"{label}: predicted {1e3 * sum(pred.values()):.1f} ms, its ops in the step "
+                 f"{1e3 * sum(got.values()):.1f} ms (median per kind, summed)")
+        print(f"\n{total}")
         print(f"  {'op':48} {'predicted ms':>12} {'in step ms':>11} {'ratio':>6}")
+        page += ["", f"**{total}**", "", "| op | predicted ms | in step ms | ratio |", "|---|---|---|---|"]
         kinds = sorted(set(pred) | set(got), key=lambda k: -abs(got.get(k, 0.0) - pred.get(k, 0.0)))
         for kind in kinds[:args.rows]:
             p, g = 1e3 * pred.get(kind, 0.0), 1e3 * got.get(kind, 0.0)
-            print(f"  {kind[:48]:48} {p:12.2f} {g:11.2f} {g / p if p else float('inf'):6.2f}")
+            ratio = g / p if p else float("inf")
+            print(f"  {kind[:48]:48} {p:12.2f} {g:11.2f} {ratio:6.2f}")
+            page.append(f"| `{kind}` | {p:.2f} | {g:.2f} | {ratio:.2f} |")
+    if args.out:
+        write_page(args.out, "Predicted against in-step op times", "\n".join(page))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """Planning speed on GPT-2 small's shape: capture, then every solver across the budget range.
 
     python benchmarks/plan_gpt2.py                  # 12 layers, 768 wide, sequence 512, batch 1
-    python benchmarks/plan_gpt2.py --output docs/benchmarks-gpt2-planning.md
+
+The table is printed as it grows and written to docs/benchmarks/planning-gpt2.md (`--out`),
+under the header every generated benchmark page shares (`bench_page`).
 
 The target of the solvers issue: rockmate plans a 12-layer, 768-wide GPT-2 in under 10 s on a
 2-core CPU at any budget from the no-rematerialization peak down to near the minimum. Costs are
@@ -14,15 +16,13 @@ budget between the proven floor and it (where the answer must be a quick, clear 
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+from bench_page import PAGES, write_page  # noqa: E402  (beside this script, on its path)
 
 import rkgraph  # noqa: E402
 from rockplan import zoo  # noqa: E402
@@ -36,7 +36,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="gpt2", help="hf_gpt2 size (default: GPT-2 small's shape)")
     parser.add_argument("--ratios", default="1.0,0.95,0.9,0.85,0.8")
-    parser.add_argument("--output", type=Path, help="also write the table to this markdown file")
+    parser.add_argument("--out", "--output", type=Path, default=PAGES / "planning-gpt2.md", help="the generated page")
     args = parser.parse_args()
 
     model, inputs, kwargs, loss_fn = zoo.make("hf_gpt2", args.size)
@@ -52,9 +52,6 @@ def main() -> None:
         budgets += [("between floor and smallest found", (bounds.lower + bounds.upper) // 2)]
 
     lines = [
-        f"Measured {datetime.date.today()} on {platform.processor() or platform.machine()}, "
-        f"{torch.get_num_threads()} threads, torch {torch.__version__}: `python benchmarks/plan_gpt2.py`.",
-        "",
         f"Model: hf_gpt2 size {args.size!r}, {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, "
         f"input {tuple(inputs[0].shape)}. Captured in {capture_time:.1f} s: {len(graph.forward_nodes)} forward + "
         f"{len(graph.backward_nodes)} backward nodes, {len(graph.blocks)} blocks, "
@@ -84,8 +81,7 @@ def main() -> None:
         floor = max(0.0, time_lower_bound(graph, budget)[0] / store_all.predicted_time - 1)  # not "-0.0%"
         lines.append(f"| {label} ({format_bytes(budget)}) | {floor:.1%} | {' | '.join(cells)} |")
         print(lines[-1], flush=True)
-    if args.output:
-        args.output.write_text("\n".join(lines) + "\n")
+    write_page(args.out, "Planning speed on GPT-2 small's shape", "\n".join(lines))
 
 
 if __name__ == "__main__":

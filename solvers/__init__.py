@@ -6,7 +6,7 @@ import inspect
 from collections.abc import Callable
 
 from solvers.bounds import budget_bounds, format_bytes, min_feasible_budget
-from solvers.checkmate_graphs import checkmate_reference_peak, load_checkmate_graph
+from solvers.checkmate_graphs import CHECKMATE_GRAPHS, checkmate_reference_peak, load_checkmate_graph
 from solvers.checkpoint_blocks import solve_checkpoint_blocks
 from solvers.dtr import solve_dtr
 from solvers.greedy_checkpoints import solve_greedy_checkpoints
@@ -43,10 +43,10 @@ def solver_options(name: str) -> list[str]:
     return list(inspect.signature(RUNTIME_SOLVERS[name]).parameters)[2:]
 
 __all__ = [
-    "CAPTURED_GRAPH_SOLVERS", "RUNTIME_SOLVERS", "SOLVERS", "InfeasibleBudget", "InvalidSchedule", "Op",
-    "Schedule", "SimulationResult", "budget_bounds", "checkmate_reference_peak", "format_bytes",
-    "free_at_last_use", "load_checkmate_graph", "min_feasible_budget", "simulate", "solver_options",
-    "solve_checkpoint_blocks", "solve_dtr", "solve_greedy_checkpoints", "solve_ilp",
+    "CAPTURED_GRAPH_SOLVERS", "CHECKMATE_GRAPHS", "RUNTIME_SOLVERS", "SOLVERS", "InfeasibleBudget",
+    "InvalidSchedule", "Op", "Schedule", "SimulationResult", "budget_bounds", "checkmate_reference_peak",
+    "format_bytes", "free_at_last_use", "load_checkmate_graph", "min_feasible_budget", "simulate",
+    "solver_options", "solve_checkpoint_blocks", "solve_dtr", "solve_greedy_checkpoints", "solve_ilp",
     "solve_peak_shaving", "solve_rockmate", "solve_rotor", "solve_saved_values", "solve_sqrt_segments",
     "solve_store_all", "solve_torch_budget",
 ]

@@ -1,6 +1,7 @@
-"""Read the Checkmate paper's training graphs (networkx node-link JSON, see
-/work/shared/benchmarks/README.md) as RematGraphs, so our solvers meet the literature's
-yardstick, and reproduce the README's "peak without rematerialization" accounting."""
+"""Read the Checkmate paper's training graphs (networkx node-link JSON, shipped in
+benchmarks/data/checkmate-graphs/ with a README giving their source and format) as
+RematGraphs, so our solvers meet the literature's yardstick, and reproduce that README's
+"peak without rematerialization" accounting."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import json
 from pathlib import Path
 
 from rkgraph.graph import ComputeNode, DataNode, RematGraph
+
+# The one place that says where the graphs are: in the source checkout, beside the benchmarks.
+CHECKMATE_GRAPHS = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "checkmate-graphs"
 
 
 def load_checkmate_graph(path: str | Path) -> RematGraph:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from solvers import (
+    CHECKMATE_GRAPHS,
     budget_bounds,
     checkmate_reference_peak,
     load_checkmate_graph,
@@ -18,12 +17,9 @@ from solvers import (
 )
 from solvers.bounds import time_lower_bound
 
-GRAPHS = Path("/work/shared/benchmarks/checkmate-graphs")
-pytestmark = pytest.mark.skipif(not GRAPHS.is_dir(), reason="Checkmate graphs not available")
-
 
 def test_vgg16_loads_as_a_training_graph() -> None:
-    graph = load_checkmate_graph(GRAPHS / "vgg16.json")
+    graph = load_checkmate_graph(CHECKMATE_GRAPHS / "vgg16.json")
     assert len(graph.nodes) == 45 and len(graph.forward_nodes) == 22
     assert graph.forward_outputs == ("predictions:out",)
     assert graph.backward_outputs == ("block1_conv1_backward:out",)
@@ -34,7 +30,7 @@ def test_vgg16_loads_as_a_training_graph() -> None:
 
 @pytest.mark.parametrize(("name", "floor"), [("vgg16", 0.83), ("fcn8", 0.61)])
 def test_reference_peak_and_floor_match_the_readme(name: str, floor: float) -> None:
-    graph = load_checkmate_graph(GRAPHS / f"{name}.json")
+    graph = load_checkmate_graph(CHECKMATE_GRAPHS / f"{name}.json")
     reference = checkmate_reference_peak(graph)
     assert solve_store_all(graph).predicted_peak == reference  # same accounting as our simulator
     bounds = budget_bounds(graph)
@@ -43,7 +39,7 @@ def test_reference_peak_and_floor_match_the_readme(name: str, floor: float) -> N
 
 @pytest.mark.parametrize(("name", "fraction", "max_overhead"), [("vgg16", 0.9, 0.05), ("fcn8", 0.8, 0.02)])
 def test_ilp_on_checkmate_graph(name: str, fraction: float, max_overhead: float) -> None:
-    graph = load_checkmate_graph(GRAPHS / f"{name}.json")
+    graph = load_checkmate_graph(CHECKMATE_GRAPHS / f"{name}.json")
     budget = int(fraction * checkmate_reference_peak(graph))
     s = solve_ilp(graph, budget, time_limit=20)
     assert simulate(graph, s, budget).peak == s.predicted_peak <= budget
@@ -53,7 +49,7 @@ def test_ilp_on_checkmate_graph(name: str, fraction: float, max_overhead: float)
 
 
 def test_ilp_under_a_short_time_limit_still_returns_a_valid_schedule() -> None:
-    graph = load_checkmate_graph(GRAPHS / "unet.json")
+    graph = load_checkmate_graph(CHECKMATE_GRAPHS / "unet.json")
     budget = int(0.42 * checkmate_reference_peak(graph))  # the README's hardest unet row
     s = solve_ilp(graph, budget, time_limit=3)
     assert simulate(graph, s, budget).peak <= budget
@@ -63,7 +59,7 @@ def test_ilp_under_a_short_time_limit_still_returns_a_valid_schedule() -> None:
 def test_peak_shaving_meets_the_floor_where_dtr_does_not() -> None:
     # fcn8 at 0.70 of the peak: a few backward steps are tight. DTR's eviction guess recomputes
     # the first convolutions (+3.04%); the proven floor, and the reference MILP, are +0.89%.
-    graph = load_checkmate_graph(GRAPHS / "fcn8.json")
+    graph = load_checkmate_graph(CHECKMATE_GRAPHS / "fcn8.json")
     budget = int(0.70 * checkmate_reference_peak(graph))
     s = solve_peak_shaving(graph, budget, time_limit=30)
     assert simulate(graph, s, budget).peak <= budget
@@ -74,7 +70,7 @@ def test_peak_shaving_meets_the_floor_where_dtr_does_not() -> None:
 def test_peak_shaving_improves_on_dtrs_schedule() -> None:
     # mobilenet at 0.70: the search started from DTR's schedule (read as drops) keeps only
     # what is faster: +0.63% against DTR's +0.68% (the reference MILP: +0.73% in 48.6 s).
-    graph = load_checkmate_graph(GRAPHS / "mobilenet.json")
+    graph = load_checkmate_graph(CHECKMATE_GRAPHS / "mobilenet.json")
     budget = int(0.70 * checkmate_reference_peak(graph))
     dtr = solve_dtr(graph, budget)
     s = solve_peak_shaving(graph, budget, time_limit=30, seeds=[dtr])
