@@ -9,10 +9,10 @@ from typing import Any, Literal
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from rkgraph.blocks import split_into_blocks
 from rkgraph.build import build_graph
 from rkgraph.capture import CaptureError, JointGraph, capture_joint
 from rkgraph.graph import ComputeNode, DataNode, RematGraph
-from rkgraph.partition import partition
 from rkgraph.profile import (
     AllocatorEvents,
     estimate_scratch,
@@ -27,8 +27,8 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "AllocatorEvents", "CaptureError", "ComputeNode", "DataNode", "JointGraph", "RematGraph", "build_graph",
-    "capture", "capture_joint", "estimate_scratch", "estimate_times", "measure_scratch", "measure_times", "partition",
-    "profile_graph", "random_tangents", "share_profile",
+    "capture", "capture_joint", "estimate_scratch", "estimate_times", "measure_scratch", "measure_times",
+    "profile_graph", "random_tangents", "share_profile", "split_into_blocks",
 ]
 
 
@@ -128,5 +128,5 @@ def capture(
     args_t = args if isinstance(args, tuple) else (args,)
     real = flat_tensors(model, flatten_call(model, args_t, kwargs or {}), args_t, kwargs or {})
     profile_graph(graph, joint, real, profile)
-    partition(graph)
+    split_into_blocks(graph)
     return graph

@@ -63,8 +63,9 @@ class RematGraph:
     forward_outputs: tuple[str, ...]
     backward_outputs: tuple[str, ...]
     name: str = ""
-    # Partition of the forward nodes into a chain of blocks (lists of forward node names)
-    # and a class id per block: blocks with the same class are structurally identical.
+    # The forward nodes cut into a chain of blocks (lists of forward node names; see
+    # `rkgraph.blocks.split_into_blocks`) and a class id per block: blocks with the same class
+    # are structurally identical.
     blocks: list[list[str]] = field(default_factory=list)
     block_classes: list[int] = field(default_factory=list)
     # Forward outputs returned to the user, who holds them until the step ends (the others are

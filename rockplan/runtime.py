@@ -21,7 +21,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch._dynamo.backends.debugging import boxed_nop
 
-from rkgraph import build_graph, partition, profile_graph
+from rkgraph import build_graph, profile_graph, split_into_blocks
 from rkgraph.capture import (
     FlatCall,
     JointGraph,
@@ -251,7 +251,7 @@ class Rockmate(nn.Module):
         graph = build_graph(joint, name=type(self.model).__name__, replay_rng=self.backend != "inductor")
         graph.joint = joint
         profile_graph(graph, joint, real, profile, reference=shared)
-        partition(graph)
+        split_into_blocks(graph)
         return graph
 
     def _solve(self, joint: JointGraph, graph: RematGraph, budget: int, store_all: Schedule) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """`solve_rotor`: Beaumont et al., "Optimal checkpointing for heterogeneous chains" (rotor).
 
 The forward is a chain of blocks (graph.blocks; each backward node belongs to the block it
-differentiates, `rkgraph.partition.backward_blocks`). A dynamic program over sub-chains and
+differentiates, `rkgraph.blocks.backward_blocks`). A dynamic program over sub-chains and
 memory, discretised in `slots`, picks for every block one of:
   Fck  forward keeping what the block's backward reads (an "option": its forward sequence, its
        backward sequence, and the memory they need), then the rest of the chain, then B;
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from rkgraph.blocks import backward_blocks, input_independent
 from rkgraph.graph import DataNode, RematGraph
-from rkgraph.partition import backward_blocks, input_independent
 from solvers.checkpoint_blocks import derived_blocks
 from solvers.schedule import Op, Schedule
 from solvers.simulate import InfeasibleBudget, InvalidSchedule, free_at_last_use, schedule_from_computes

@@ -100,8 +100,9 @@ def backward_blocks(graph: RematGraph, blocks: list[list[str]] | None = None) ->
     return result
 
 
-def partition(graph: RematGraph) -> None:
-    """Fill graph.blocks, graph.block_classes and graph.backward_blocks."""
+def split_into_blocks(graph: RematGraph) -> None:
+    """Cut the forward into a chain of blocks at `cut_points`: fill graph.blocks,
+    graph.block_classes and graph.backward_blocks."""
     forward = [n.name for n in graph.forward_nodes]
     blocks, start = [], 0
     for cut in cut_points(graph):
