@@ -15,7 +15,8 @@ from rkgraph.graph import RematGraph
 
 
 def cut_points(graph: RematGraph) -> list[int]:
-    """Positions i (in graph.forward_nodes) after which exactly one activation crosses."""
+    """Positions i (in graph.forward_nodes) after which exactly one activation crosses: the
+    single-tensor cuts, where blocks end and where checkpointing a segment keeps one tensor."""
     forward = graph.forward_nodes
     position = {n.name: i for i, n in enumerate(forward)}
     last_forward_use: dict[str, int] = {}
@@ -32,6 +33,19 @@ def cut_points(graph: RematGraph) -> list[int]:
         if len(crossing) == 1:
             cuts.append(i)
     return cuts
+
+
+def cut_pieces(graph: RematGraph) -> list[list[str]]:
+    """The forward node names in graph order, cut after every one of `cut_points`: the finest
+    chain of blocks (graphs without blocks are grouped from these)."""
+    forward = [n.name for n in graph.forward_nodes]
+    pieces, start = [], 0
+    for cut in cut_points(graph):
+        pieces.append(forward[start : cut + 1])
+        start = cut + 1
+    if start < len(forward):
+        pieces.append(forward[start:])
+    return pieces
 
 
 def input_independent(graph: RematGraph) -> set[str]:
@@ -103,14 +117,7 @@ def backward_blocks(graph: RematGraph, blocks: list[list[str]] | None = None) ->
 def split_into_blocks(graph: RematGraph) -> None:
     """Cut the forward into a chain of blocks at `cut_points`: fill graph.blocks,
     graph.block_classes and graph.backward_blocks."""
-    forward = [n.name for n in graph.forward_nodes]
-    blocks, start = [], 0
-    for cut in cut_points(graph):
-        blocks.append(forward[start : cut + 1])
-        start = cut + 1
-    if start < len(forward):
-        blocks.append(forward[start:])
     classes: dict[str, int] = {}
-    graph.blocks = blocks
-    graph.block_classes = [classes.setdefault(_signature(graph, b), len(classes)) for b in blocks]
+    graph.blocks = cut_pieces(graph)
+    graph.block_classes = [classes.setdefault(_signature(graph, b), len(classes)) for b in graph.blocks]
     graph.backward_blocks = backward_blocks(graph)

@@ -84,7 +84,7 @@ class Chain:
 
 
 def chain_blocks(graph: RematGraph) -> tuple[list[list[str]], list[list[str]]]:
-    """(forward blocks, backward blocks): the graph's own, derived at separators when absent."""
+    """(forward blocks, backward blocks): the graph's own, derived at single-tensor cuts when absent."""
     forward = [list(b) for b in graph.blocks] or derived_blocks(graph)
     if graph.backward_blocks and len(graph.backward_blocks) == len(forward) and graph.blocks:
         return forward, [list(b) for b in graph.backward_blocks]
