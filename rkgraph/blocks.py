@@ -10,6 +10,7 @@ shapes, a position embedding): every block may read those, as it reads parameter
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 
 from rkgraph.graph import RematGraph
 
@@ -112,6 +113,35 @@ def backward_blocks(graph: RematGraph, blocks: list[list[str]] | None = None) ->
     for node in graph.backward_nodes:
         result[assigned[node.name]].append(node.name)
     return result
+
+
+def block_of(graph: RematGraph) -> dict[str, int]:
+    """The block of each node in the graph's chain: forward nodes by graph.blocks, backward
+    nodes by graph.backward_blocks (the blocks the planners use); nodes outside it (a graph
+    not split yet) are absent."""
+    owner = {name: j for j, block in enumerate(graph.blocks) for name in block}
+    owner.update({name: j for j, block in enumerate(graph.backward_blocks) for name in block})
+    return owner
+
+
+def common_module(modules: Iterable[str]) -> str:
+    """Longest dotted prefix shared by the non-empty module paths (glue ops have none)."""
+    paths = [m.split(".") for m in modules if m]
+    if not paths:
+        return ""
+    prefix = paths[0]
+    for path in paths[1:]:
+        n = 0
+        while n < min(len(prefix), len(path)) and prefix[n] == path[n]:
+            n += 1
+        prefix = prefix[:n]
+    return ".".join(prefix)
+
+
+def block_module(graph: RematGraph, block: Iterable[str]) -> str:
+    """A name for a block a person recognises: the module path its nodes share, or
+    "(top level)". Only a label: which nodes a block holds is decided by data flow."""
+    return common_module(graph.node(n).module for n in block) or "(top level)"
 
 
 def split_into_blocks(graph: RematGraph) -> None:

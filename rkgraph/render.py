@@ -1,10 +1,11 @@
 """Draw a RematGraph with graphviz: blocks, forward and backward ops, tensor sizes, decisions.
 
 Two views. The full view draws every compute node: forward ops as blue boxes grouped into one
-cluster per block, backward ops as yellow ellipses grouped by the block whose backward they
-compute, and data as edges labelled with their size when large. Parameters and inputs are not
-drawn (they are alive throughout and cost the step nothing); tangents are small notes where
-the backward begins. The collapsed view, for graphs too large to read op by op, draws one node
+cluster per block (graph.blocks), backward ops as yellow ellipses grouped by the block whose
+backward they compute (graph.backward_blocks: the blocks the planners use; module paths only
+label a block), and data as edges labelled with their size when large. Parameters and inputs
+are not drawn (they are alive throughout and cost the step nothing); tangents are small notes
+where the backward begins. The collapsed view, for graphs too large to read op by op, draws one node
 per block and one per block's backward, side by side, so a 12-layer transformer is two
 columns of a few dozen boxes.
 
@@ -15,15 +16,16 @@ by what happens to them: "kept", "recomputed" or "freed early".
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import graphviz
 
 from rkgraph import units
+from rkgraph.blocks import block_module, block_of
 from rkgraph.graph import ComputeNode, RematGraph
 
-__all__ = ["COLLAPSE_ABOVE", "DECISION_COLORS", "backward_block_of", "format_bytes", "graph_dot", "render"]
+__all__ = ["COLLAPSE_ABOVE", "DECISION_COLORS", "format_bytes", "graph_dot", "render"]
 
 # Beyond this many compute nodes the full view is a wall of boxes; the collapsed view is drawn.
 COLLAPSE_ABOVE = 150
@@ -57,53 +59,6 @@ def _short_op(op: str) -> str:
     if len(parts) >= 2 and parts[0] == "aten":
         return parts[1]
     return op or "?"
-
-
-def _common_module(modules: Iterable[str]) -> str:
-    """Longest dotted prefix shared by the non-empty module paths (glue ops have none)."""
-    paths = [m.split(".") for m in modules if m]
-    if not paths:
-        return ""
-    prefix = paths[0]
-    for path in paths[1:]:
-        n = 0
-        while n < min(len(prefix), len(path)) and prefix[n] == path[n]:
-            n += 1
-        prefix = prefix[:n]
-    return ".".join(prefix)
-
-
-def _block_of(graph: RematGraph) -> dict[str, int]:
-    return {name: i for i, block in enumerate(graph.blocks) for name in block}
-
-
-def backward_block_of(graph: RematGraph) -> dict[str, int | None]:
-    """The block whose backward each backward node computes (None when it cannot be told).
-
-    By module first: a backward op carries the module path of the forward op it differentiates,
-    and a module usually lies in one block. A module spanning several blocks (a residual add
-    in the layer's top module) is decided by the data: the latest block whose activations the
-    node reads, since a block's backward reads that block's saved tensors and its input (made
-    by the block before). Nodes that read only gradients (bias gradient sums) belong with the
-    node autograd ran before them.
-    """
-    block_of = _block_of(graph)
-    blocks_of_module: dict[str, set[int]] = defaultdict(set)
-    for name, i in block_of.items():
-        blocks_of_module[graph.node(name).module].add(i)
-    result: dict[str, int | None] = {}
-    previous: int | None = None
-    for node in graph.backward_nodes:
-        candidates = blocks_of_module.get(node.module, set()) if node.module else set()
-        read = {block_of[p] for d in node.inputs if (p := graph.data[d].producer) in block_of}
-        if len(candidates) == 1:
-            (choice,) = candidates
-        elif read & candidates or read:
-            choice = max(read & candidates or read)
-        else:
-            choice = previous
-        result[node.name] = previous = choice
-    return result
 
 
 def _check_decisions(graph: RematGraph, decisions: Mapping[str, str]) -> None:
@@ -198,23 +153,22 @@ def _full_dot(graph: RematGraph, decisions: dict[str, str]) -> graphviz.Digraph:
                     fillcolor=fill, tooltip=_tooltip(node, graph),
                     penwidth="2" if node.random else "0.8")  # a thick frame marks random ops
 
-    block_of = _block_of(graph)
+    owner = block_of(graph)
     for i, block in enumerate(graph.blocks):
         cls = graph.block_classes[i] if i < len(graph.block_classes) else 0
-        module = _common_module(graph.node(n).module for n in block) or "(top level)"
+        module = block_module(graph, block)
         with dot.subgraph(name=f"cluster_block_{i}") as cluster:
             cluster.attr(label=f"block {i} · class {cls}\n{module}", style="filled,rounded",
                          fillcolor=CLASS_COLORS[cls % len(CLASS_COLORS)], color="#888888", fontsize="11")
             for name in block:
                 add_node(cluster, graph.node(name))
-    for node in graph.forward_nodes:  # graphs not partitioned yet have no blocks
-        if node.name not in block_of:
+    for node in graph.forward_nodes:  # graphs not split yet have no blocks
+        if node.name not in owner:
             add_node(dot, node)
 
     by_block: dict[int | None, list[ComputeNode]] = defaultdict(list)
-    owner = backward_block_of(graph)
     for node in graph.backward_nodes:
-        by_block[owner[node.name]].append(node)
+        by_block[owner.get(node.name)].append(node)
     tangents = [d for d, dn in graph.data.items() if dn.kind == "tangent"]
     with dot.subgraph(name="cluster_backward") as backward:
         backward.attr(label="backward (runs bottom to top)", labelloc="b", style="rounded", color="#b08000",
@@ -294,14 +248,12 @@ def _decision_summary(names: list[str], graph: RematGraph, decisions: dict[str, 
 def _collapsed_dot(graph: RematGraph, decisions: dict[str, str]) -> graphviz.Digraph:
     dot = _new_digraph(graph, f"{graph.name or 'graph'}: {len(graph.blocks)} blocks, "
                               f"{len(graph.nodes)} nodes (collapsed)")
-    block_of = _block_of(graph)
-    owner = backward_block_of(graph)
-    group_of: dict[str, str] = {n: f"block_{i}" for n, i in block_of.items()}
-    group_of.update({n: f"backward_{i}" for n, i in owner.items()})
-
+    owner = block_of(graph)
+    group_of: dict[str, str] = {n.name: f"block_{owner[n.name]}" for n in graph.forward_nodes if n.name in owner}
     backward_members: dict[int | None, list[str]] = defaultdict(list)
-    for name, i in owner.items():
-        backward_members[i].append(name)
+    for node in graph.backward_nodes:
+        group_of[node.name] = f"backward_{owner.get(node.name)}"
+        backward_members[owner.get(node.name)].append(node.name)
 
     def summary(names: list[str]) -> str:
         nodes = [graph.node(n) for n in names]
@@ -311,7 +263,7 @@ def _collapsed_dot(graph: RematGraph, decisions: dict[str, str]) -> graphviz.Dig
 
     for i, block in enumerate(graph.blocks):
         cls = graph.block_classes[i] if i < len(graph.block_classes) else 0
-        module = _common_module(graph.node(n).module for n in block) or "(top level)"
+        module = block_module(graph, block)
         extra, fill = _decision_summary(block, graph, decisions)
         back = backward_members.get(i, [])
         # Each block's backward sits beside it: the forward reads down, the backward up.
@@ -326,7 +278,7 @@ def _collapsed_dot(graph: RematGraph, decisions: dict[str, str]) -> graphviz.Dig
     if None in backward_members:
         dot.node("backward_None", f"backward (unassigned)\n{summary(backward_members[None])}",
                  shape="ellipse", fillcolor=BACKWARD_COLOR)
-    for name in (n.name for n in graph.forward_nodes if n.name not in block_of):
+    for name in (n.name for n in graph.forward_nodes if n.name not in owner):
         dot.node(name, name, shape="box", fillcolor=FORWARD_COLOR)
         group_of[name] = name
 

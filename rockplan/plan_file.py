@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
+from rkgraph.blocks import backward_blocks
 from rkgraph.graph import ComputeNode, DataNode, RematGraph
 from rockplan.decisions import decide
 from solvers.schedule import Op, Schedule
@@ -210,8 +211,11 @@ def _graph_from_document(obj: dict[str, Any]) -> RematGraph:
                          fx_nodes=tuple(n["fx_nodes"]))
              for n in obj["nodes"]]
     data = {d["name"]: DataNode(d["name"], d["size"], d["kind"], d["producer"]) for d in obj["data"]}
-    return RematGraph(nodes, data, tuple(obj["forward_outputs"]), tuple(obj["backward_outputs"]), obj["name"],
-                      [list(b) for b in obj["blocks"]], list(obj["block_classes"]), tuple(obj["user_outputs"]))
+    graph = RematGraph(nodes, data, tuple(obj["forward_outputs"]), tuple(obj["backward_outputs"]), obj["name"],
+                       [list(b) for b in obj["blocks"]], list(obj["block_classes"]), tuple(obj["user_outputs"]))
+    # Not stored: the backward's blocks follow from the forward's by data flow, as when planning.
+    graph.backward_blocks = backward_blocks(graph) if graph.blocks else []
+    return graph
 
 
 def _schedule_from_document(obj: dict[str, Any]) -> Schedule:
