@@ -51,6 +51,13 @@ def is_backward(node: fx.Node) -> bool:
     return node.meta.get("partitioner_tag") == "is_backward"
 
 
+def is_tangent(node: fx.Node) -> bool:
+    """A placeholder for the gradient of a forward output. AOTAutograd names a joint graph's
+    inputs primals_i and tangents_i, and the backward graphs split from it keep the tangents'
+    names: the name is the only mark they carry."""
+    return node.op == "placeholder" and node.name.startswith("tangents")
+
+
 def _tensor_bytes(val: object) -> int:
     if isinstance(val, torch.Tensor):
         return val.untyped_storage().nbytes()
@@ -110,7 +117,7 @@ def build_graph(joint: JointGraph, name: str = "", replay_rng: bool = True) -> R
     primal_index = 0
     for node in gm.graph.find_nodes(op="placeholder"):
         size = _tensor_bytes(node.meta.get("val"))
-        if node.name.startswith("tangents"):
+        if is_tangent(node):
             data[node.name] = DataNode(node.name, size, "tangent")
         else:
             data[node.name] = DataNode(node.name, size, joint.input_kinds[primal_index])

@@ -78,6 +78,9 @@ class RematGraph:
 
     def __post_init__(self) -> None:
         self.index = {n.name: i for i, n in enumerate(self.nodes)}
+        # The gradients of the forward's outputs, in data order: they appear as the backward
+        # starts and are held until it ends (the simulator, every solver and codegen agree).
+        self.tangents: tuple[str, ...] = tuple(d for d, dn in self.data.items() if dn.kind == "tangent")
         self.users: dict[str, list[str]] = {d: [] for d in self.data}
         for n in self.nodes:
             for d in n.inputs:

@@ -169,11 +169,10 @@ def _full_dot(graph: RematGraph, decisions: dict[str, str]) -> graphviz.Digraph:
     by_block: dict[int | None, list[ComputeNode]] = defaultdict(list)
     for node in graph.backward_nodes:
         by_block[owner.get(node.name)].append(node)
-    tangents = [d for d, dn in graph.data.items() if dn.kind == "tangent"]
     with dot.subgraph(name="cluster_backward") as backward:
         backward.attr(label="backward (runs bottom to top)", labelloc="b", style="rounded", color="#b08000",
                       fontsize="14")
-        for d in tangents:
+        for d in graph.tangents:
             backward.node(d, f"{d}\n{format_bytes(graph.data[d].size)}", shape="note", fillcolor="white",
                           fontsize="9")
         for i, nodes in by_block.items():
@@ -185,11 +184,11 @@ def _full_dot(graph: RematGraph, decisions: dict[str, str]) -> graphviz.Digraph:
     # The backward column climbs beside the forward one (the classic U): the tangents sit level
     # with the end of the forward, and the last backward op of each block level with the block's
     # first forward op, so the tensors a block saves for its backward cross horizontally.
-    if graph.forward_nodes and tangents:
+    if graph.forward_nodes and graph.tangents:
         with dot.subgraph() as row:
             row.attr(rank="same")
             row.node(graph.forward_nodes[-1].name)
-            row.node(tangents[0])
+            row.node(graph.tangents[0])
     for i, nodes in by_block.items():
         if i is not None and i < len(graph.blocks) and graph.blocks[i]:
             with dot.subgraph() as row:

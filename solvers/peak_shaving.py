@@ -69,7 +69,7 @@ class _Family:
         self.graph = graph
         self.budget = budget
         self.nf = len(graph.forward_nodes)
-        self.tangents = [d for d, dn in graph.data.items() if dn.kind == "tangent"]
+        self.tangents = graph.tangents
         excluded = {*graph.forward_outputs, *graph.user_outputs, *graph.backward_outputs, *self.tangents}
         self.droppable = {d for d, dn in graph.data.items()
                           if dn.producer is not None and d not in excluded

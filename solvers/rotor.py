@@ -233,14 +233,13 @@ def build_chain(graph: RematGraph, make_options: OptionMaker = lambda sub: [stor
     forward_blocks, backward_of = chain_blocks(graph)
     position = {name: j for j, block in enumerate(forward_blocks) for name in block}
     position.update({name: j for j, block in enumerate(backward_of) for name in block})
-    tangents = {d for d, dn in graph.data.items() if dn.kind == "tangent"}
     constant = input_independent(graph)
     # Input-independent values read by other blocks are made once and read all along (an
     # attention mask): like the held outputs and tangents, they are a constant of the chain.
     shared = {d for d in constant if any(position.get(u) != position.get(graph.data[d].producer)
                                          for u in graph.users[d])}
     unaccounted = shared | set(graph.user_outputs)
-    offset = sum(graph.data[d].size for d in unaccounted | tangents)
+    offset = sum(graph.data[d].size for d in unaccounted | set(graph.tangents))
 
     count = len(forward_blocks)
     output = [0] * count

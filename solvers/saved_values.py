@@ -143,7 +143,7 @@ class _Family:
             if i == self.nf:
                 forward_count = len(computes)
                 available.difference_update(gone)
-                available.update(d for d, dn in graph.data.items() if dn.kind == "tangent")
+                available.update(graph.tangents)
             for d in node.inputs:
                 ensure(d)
             computes.append(node.name)

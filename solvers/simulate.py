@@ -36,10 +36,6 @@ class SimulationResult:
     recompute_counts: dict[str, int] = field(default_factory=dict)  # node -> extra computations
 
 
-def _tangents(graph: RematGraph) -> list[str]:
-    return [d for d, dn in graph.data.items() if dn.kind == "tangent"]
-
-
 def simulate(graph: RematGraph, schedule: Schedule, budget: int | None = None) -> SimulationResult:
     """Replay `schedule`; raise InvalidSchedule naming the first bad op and why."""
     alive: set[str] = set()  # non-source data currently allocated
@@ -49,7 +45,7 @@ def simulate(graph: RematGraph, schedule: Schedule, budget: int | None = None) -
     time = 0.0
     counts: dict[str, int] = defaultdict(int)
     user_outputs, backward_outputs = frozenset(graph.user_outputs), frozenset(graph.backward_outputs)
-    tangents = frozenset(_tangents(graph))
+    tangents = frozenset(graph.tangents)
 
     def fail(where: int | str, why: str) -> InvalidSchedule:
         """`where`: an op's index, or a place in words ("end of schedule")."""
@@ -200,11 +196,11 @@ def free_at_last_use(graph: RematGraph, computes: Sequence[str], forward_count: 
     # Outputs returned to the user are held by them until the step ends.
     # Tangents are held by autograd's call of the backward until it returns.
     keep_set = (frozenset(keep) | frozenset(graph.backward_outputs) | frozenset(graph.user_outputs)
-                | frozenset(_tangents(graph)))
+                | frozenset(graph.tangents))
     computes, forward_count = _drop_dead(graph, list(computes), forward_count, keep_set)
     # Held values are never freed; recomputing one replaces it in place (counted once). A
     # backward output (a gradient) is returned when the backward ends: once made, it stays.
-    held = frozenset(graph.user_outputs) | frozenset(_tangents(graph)) | frozenset(graph.backward_outputs)
+    held = frozenset(graph.user_outputs) | frozenset(graph.tangents) | frozenset(graph.backward_outputs)
     live = _Liveness(graph, computes)
     m = len(computes)
     fwd_out = set(graph.forward_outputs)
@@ -231,7 +227,7 @@ def free_at_last_use(graph: RematGraph, computes: Sequence[str], forward_count: 
         for d in graph.node(name).outputs:
             nxt = live.next_def(d, p)
             place(d, p, nxt, d in fwd_out and p < forward_count <= nxt)
-    for d in _tangents(graph):
+    for d in graph.tangents:
         place(d, None, m, True)
 
     ops: list[Op] = []

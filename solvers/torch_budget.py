@@ -49,6 +49,8 @@ def partitioner_choice(graph: RematGraph, ratio: float) -> PartitionerChoice:
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+    from rkgraph.build import is_tangent
+
     joint = graph.joint
     # The partitioner rewrites the graph it is given; graph.joint must stay as captured.
     # Outside any fake mode (the runtime plans inside AOTAutograd's trace): under one, copying a
@@ -75,7 +77,7 @@ def partitioner_choice(graph: RematGraph, ratio: float) -> PartitionerChoice:
     joint_nodes = {n.name: n for n in joint.module.graph.nodes}
     saved = []
     for p in backward.graph.find_nodes(op="placeholder"):
-        if p.name.startswith("tangents") or not isinstance(p.meta.get("val"), torch.Tensor):
+        if is_tangent(p) or not isinstance(p.meta.get("val"), torch.Tensor):
             continue  # tangents are not saved; symbolic sizes hold no memory
         if p.name not in joint_nodes:
             raise ValueError(f"the partitioner saves {p.name}, which is no node of the joint graph")
@@ -94,8 +96,7 @@ def computes_for_choice(graph: RematGraph, choice: PartitionerChoice) -> tuple[l
 
     storage_of = storage_map(graph.joint.module).storage_of
     saved = {storage_of[name] for name in choice.saved if name in storage_of}
-    tangents = {d for d, dn in graph.data.items() if dn.kind == "tangent"}
-    available = saved | set(graph.user_outputs) | tangents
+    available = saved | set(graph.user_outputs) | set(graph.tangents)
     computes = [n.name for n in graph.forward_nodes]
     recomputed: set[str] = set()
     kept_random: list[str] = []
