@@ -36,8 +36,8 @@ from torch._dynamo.backends.debugging import aot_eager
 from torch.utils.checkpoint import checkpoint
 
 from rkgraph.capture import lean_rewrites
+from rkgraph.units import format_bytes
 from rockplan import zoo
-from rockplan.budget import format_bytes
 from rockplan.memory import measure_step, steady_cpu_heap
 from rockplan.runtime import Rockmate
 from solvers import RUNTIME_SOLVERS, InfeasibleBudget, InvalidSchedule

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import graphviz
 
-from rkgraph import units
 from rkgraph.blocks import block_module, block_of
 from rkgraph.graph import ComputeNode, RematGraph
+from rkgraph.units import format_bytes
 
-__all__ = ["COLLAPSE_ABOVE", "DECISION_COLORS", "format_bytes", "graph_dot", "render"]
+__all__ = ["COLLAPSE_ABOVE", "DECISION_COLORS", "graph_dot", "render"]
 
 # Beyond this many compute nodes the full view is a wall of boxes; the collapsed view is drawn.
 COLLAPSE_ABOVE = 150
@@ -39,10 +39,7 @@ BACKWARD_COLOR = "#fff2c6"
 # Pale backgrounds for block clusters, one per class: identical blocks look alike.
 CLASS_COLORS = ("#f7f7f7", "#eef6ee", "#f6eef6", "#eef3f8", "#f8f3e8", "#eef8f8", "#f8eeee", "#f2f2e6")
 FORMATS = frozenset({"pdf", "png", "svg"})
-
-
-def format_bytes(size: float) -> str:
-    return units.format_bytes(size, digits=1)  # compact labels
+LABEL_DIGITS = 1  # sizes in labels: compact
 
 
 def format_time(seconds: float) -> str:
@@ -131,14 +128,14 @@ def _node_label(node: ComputeNode, graph: RematGraph) -> str:
     if len(node.fx_nodes) > 1:
         lines.append(f"+{len(node.fx_nodes) - 1} grouped ops")
     out = sum(graph.data[d].size for d in node.outputs)
-    lines.append(f"{format_bytes(out)} · {format_time(node.time)}")
+    lines.append(f"{format_bytes(out, LABEL_DIGITS)} · {format_time(node.time)}")
     return "\n".join(lines)
 
 
 def _tooltip(node: ComputeNode, graph: RematGraph) -> str:
-    outs = ", ".join(f"{d} ({format_bytes(graph.data[d].size)})" for d in node.outputs)
+    outs = ", ".join(f"{d} ({format_bytes(graph.data[d].size, LABEL_DIGITS)})" for d in node.outputs)
     return (f"{node.name}: {node.op}\nmodule: {node.module or '-'}\noutputs: {outs}\n"
-            f"workspace: {format_bytes(node.workspace)}\ntime: {format_time(node.time)}"
+            f"workspace: {format_bytes(node.workspace, LABEL_DIGITS)}\ntime: {format_time(node.time)}"
             + ("\nrandom: computed once" if node.random else ""))
 
 
@@ -173,7 +170,7 @@ def _full_dot(graph: RematGraph, decisions: dict[str, str]) -> graphviz.Digraph:
         backward.attr(label="backward (runs bottom to top)", labelloc="b", style="rounded", color="#b08000",
                       fontsize="14")
         for d in graph.tangents:
-            backward.node(d, f"{d}\n{format_bytes(graph.data[d].size)}", shape="note", fillcolor="white",
+            backward.node(d, f"{d}\n{format_bytes(graph.data[d].size, LABEL_DIGITS)}", shape="note", fillcolor="white",
                           fontsize="9")
         for i, nodes in by_block.items():
             label = "backward (unassigned)" if i is None else f"backward of block {i}"
@@ -206,7 +203,7 @@ def _full_dot(graph: RematGraph, decisions: dict[str, str]) -> graphviz.Digraph:
         size = sum(graph.data[d].size for d in data)
         attrs: dict[str, str] = {}
         if largest and size >= LARGE_FRACTION * largest:
-            attrs["label"] = format_bytes(size)
+            attrs["label"] = format_bytes(size, LABEL_DIGITS)
         decided = [decisions[d] for d in data if d in decisions]
         if decided:
             attrs.update(color=DECISION_COLORS[decided[0]], penwidth="2.5")
@@ -257,7 +254,7 @@ def _collapsed_dot(graph: RematGraph, decisions: dict[str, str]) -> graphviz.Dig
     def summary(names: list[str]) -> str:
         nodes = [graph.node(n) for n in names]
         activations = sum(graph.data[d].size for n in nodes for d in n.outputs)
-        return (f"{len(nodes)} node{'s' * (len(nodes) != 1)} · {format_bytes(activations)}\n"
+        return (f"{len(nodes)} node{'s' * (len(nodes) != 1)} · {format_bytes(activations, LABEL_DIGITS)}\n"
                 f"time {format_time(sum(n.time for n in nodes))}")
 
     for i, block in enumerate(graph.blocks):
@@ -289,7 +286,7 @@ def _collapsed_dot(graph: RematGraph, decisions: dict[str, str]) -> graphviz.Dig
             if producer is not None and group_of[producer] != group_of[node.name]:
                 carried[(group_of[producer], group_of[node.name])].add(d)
     for (a, b), data in carried.items():
-        label = format_bytes(sum(graph.data[d].size for d in data))
+        label = format_bytes(sum(graph.data[d].size for d in data), LABEL_DIGITS)
         if a.startswith("block_") and b.startswith("block_"):
             # Edges that skip blocks (an attention mask read by every layer) would pull the
             # chain into a diagonal; only the chain itself sets the layout.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from rkgraph.units import format_bytes  # noqa: F401  (part of this module's API)
+from rkgraph.units import format_bytes  # noqa: F401  (rockplan.runtime imports it from here, for now)
 
 _UNITS = {
     "": 1, "b": 1,

@@ -18,7 +18,7 @@ from rkgraph.blocks import block_module, block_of
 from rkgraph.capture import lean_rewrites
 from rkgraph.graph import RematGraph
 from rkgraph.render import _short_op, format_time
-from rockplan.budget import format_bytes
+from rkgraph.units import format_bytes
 from rockplan.decisions import decide
 from solvers.bounds import time_lower_bound
 from solvers.checkpoint_blocks import solve_checkpoint_blocks

@@ -2,7 +2,7 @@
 
 from collections.abc import Callable
 
-from solvers.bounds import budget_bounds, format_bytes, min_feasible_budget
+from solvers.bounds import budget_bounds, min_feasible_budget
 from solvers.checkmate_graphs import checkmate_reference_peak, load_checkmate_graph
 from solvers.checkpoint_blocks import solve_checkpoint_blocks
 from solvers.dtr import solve_dtr
@@ -38,7 +38,7 @@ RUNTIME_SOLVERS = SOLVERS | CAPTURED_GRAPH_SOLVERS
 __all__ = [
     "CAPTURED_GRAPH_SOLVERS", "RUNTIME_SOLVERS", "SOLVERS",
     "InfeasibleBudget", "InvalidSchedule", "Op", "Schedule", "SimulationResult",
-    "budget_bounds", "checkmate_reference_peak", "format_bytes", "free_at_last_use", "load_checkmate_graph",
+    "budget_bounds", "checkmate_reference_peak", "free_at_last_use", "load_checkmate_graph",
     "min_feasible_budget", "simulate", "solve_checkpoint_blocks", "solve_dtr", "solve_greedy_checkpoints", "solve_ilp",
     "solve_peak_shaving",
     "solve_rockmate", "solve_rotor", "solve_saved_values",

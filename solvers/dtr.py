@@ -31,7 +31,7 @@ from collections import Counter
 from typing import Literal
 
 from rkgraph.graph import ComputeNode, RematGraph
-from solvers.bounds import format_bytes
+from rkgraph.units import format_bytes
 from solvers.schedule import Schedule
 from solvers.simulate import InfeasibleBudget, schedule_from_computes
 

@@ -19,7 +19,8 @@ import time
 from collections.abc import Sequence
 
 from rkgraph.graph import RematGraph
-from solvers.bounds import budget_bounds, format_bytes, time_lower_bound
+from rkgraph.units import format_bytes
+from solvers.bounds import budget_bounds, time_lower_bound
 from solvers.candidates import heuristic_candidates
 from solvers.ilp_model import CheckmateMilp
 from solvers.schedule import Schedule

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rkgraph.graph import RematGraph
-from solvers.bounds import format_bytes
+from rkgraph.units import format_bytes
 from solvers.dtr import solve_dtr
 from solvers.schedule import Op, Schedule
 from solvers.simulate import InfeasibleBudget, free_at_last_use, simulate

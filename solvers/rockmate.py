@@ -23,7 +23,8 @@ import math
 import time
 
 from rkgraph.graph import RematGraph
-from solvers.bounds import budget_bounds, format_bytes, memory_lower_bound, time_lower_bound
+from rkgraph.units import format_bytes
+from solvers.bounds import budget_bounds, memory_lower_bound, time_lower_bound
 from solvers.candidates import heuristic_candidates
 from solvers.greedy_checkpoints import solve_greedy_checkpoints
 from solvers.ilp import memory_unit, solve_ilp

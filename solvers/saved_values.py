@@ -33,7 +33,7 @@ import time
 import numpy as np
 
 from rkgraph.graph import RematGraph
-from solvers.bounds import format_bytes
+from rkgraph.units import format_bytes
 from solvers.ilp_model import MilpBuilder
 from solvers.schedule import Schedule
 from solvers.simulate import InfeasibleBudget, schedule_from_computes, simulate

@@ -28,7 +28,7 @@ import warnings
 from dataclasses import dataclass
 
 from rkgraph.graph import RematGraph
-from solvers.bounds import format_bytes
+from rkgraph.units import format_bytes
 from solvers.schedule import Schedule
 from solvers.simulate import InfeasibleBudget, schedule_from_computes
 
