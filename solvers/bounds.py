@@ -29,7 +29,7 @@ from rkgraph.units import format_bytes
 from solvers.checkpoint_blocks import solve_checkpoint_blocks
 from solvers.ilp_model import MilpBuilder
 from solvers.schedule import Schedule
-from solvers.simulate import schedule_from_computes
+from solvers.simulate import schedule_from_computes, to_recompute
 from solvers.sqrt_segments import solve_sqrt_segments
 from solvers.store_all import solve_store_all
 
@@ -291,17 +291,12 @@ def min_memory_schedule(graph: RematGraph, checkpoints: Iterable[str] = (), solv
             computes.append(node.name)
             continue
         available = {d for d in persistent if graph.data[d].kind != "tangent" or node.backward}
-        missing: set[str] = set()  # nodes to recompute in this stage
-        stack = [d for d in node.inputs if not graph.is_source(d)]
-        while stack:
-            d = stack.pop()
-            producer = graph.data[d].producer
-            if d in available or producer is None or producer in missing:
-                continue
+        missing = to_recompute(graph, node.inputs, available)  # nodes to recompute in this stage
+        for producer in missing:
             if graph.index[producer] >= t:
+                d = next(d for n in (node.name, *missing) for d in graph.node(n).inputs
+                         if graph.data[d].producer == producer)
                 raise ValueError(f"node {node.name} reads {d} before it is produced")
-            missing.add(producer)
-            stack.extend(x for x in graph.node(producer).inputs if not graph.is_source(x))
         computes.extend(sorted(missing, key=graph.index.__getitem__))
         computes.append(node.name)
     if len(graph.forward_nodes) == len(graph.nodes):

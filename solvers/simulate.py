@@ -5,14 +5,16 @@ through `simulate` before it is returned, so this file is the single definition 
 
 `free_at_last_use` is the other half: solvers decide only *which* nodes to compute in which
 order, and this helper inserts the frees, as early as the semantics allow. Keeping the free
-placement in one place means no solver can get liveness subtly wrong on its own.
+placement in one place means no solver can get liveness subtly wrong on its own. Likewise
+`to_recompute` says once what running a node again needs: the producers of its missing
+inputs, and theirs.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from rkgraph.graph import RematGraph
@@ -34,6 +36,39 @@ class SimulationResult:
     curve: list[int]  # memory after each op (tangents counted from the first backward op)
     time: float  # sum of the times of all compute ops
     recompute_counts: dict[str, int] = field(default_factory=dict)  # node -> extra computations
+
+
+def to_recompute(graph: RematGraph, data: Iterable[str], available: Container[str]) -> list[str]:
+    """The nodes to run so that every value in `data` is at hand: the producer of each value
+    that is not in `available` and has one (sources and tangents have none), preceded by what
+    that producer needs in turn, recursively. Depth first, inputs in order: each node once, in
+    an order it can run in. `available` is only read. Random nodes are not left out: a caller
+    that must not run one again checks the result, or counts its outputs as available."""
+    order: list[str] = []
+    chosen: set[str] = set()
+
+    def wanted(d: str) -> str | None:
+        producer = graph.data[d].producer
+        return None if d in available or producer is None or producer in chosen else producer
+
+    for root in data:
+        first = wanted(root)
+        if first is None:
+            continue
+        chosen.add(first)
+        stack = [(first, iter(graph.node(first).inputs))]  # iterative: chains may be long
+        while stack:
+            name, inputs = stack[-1]
+            for d in inputs:
+                producer = wanted(d)
+                if producer is not None:
+                    chosen.add(producer)
+                    stack.append((producer, iter(graph.node(producer).inputs)))
+                    break
+            else:
+                stack.pop()
+                order.append(name)
+    return order
 
 
 def simulate(graph: RematGraph, schedule: Schedule, budget: int | None = None) -> SimulationResult:
