@@ -20,8 +20,7 @@ Memory semantics, shared by the simulator and every solver:
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -132,40 +131,7 @@ class RematGraph:
             if dn.producer is None and dn.kind == "activation":
                 raise ValueError(f"activation {d} has no producer")
 
-    # JSON round trip, so graphs can be saved, diffed and loaded by tests and tools.
-    def to_json(self) -> dict:
-        return {
-            "name": self.name,
-            "nodes": [asdict(n) for n in self.nodes],
-            "data": [asdict(d) for d in self.data.values()],
-            "forward_outputs": list(self.forward_outputs),
-            "backward_outputs": list(self.backward_outputs),
-            "blocks": self.blocks,
-            "block_classes": self.block_classes,
-            "user_outputs": list(self.user_outputs),
-            "backward_blocks": self.backward_blocks,
-        }
-
-    @classmethod
-    def from_json(cls, obj: dict) -> RematGraph:
-        nodes = [
-            ComputeNode(**{**n, "inputs": tuple(n["inputs"]), "outputs": tuple(n["outputs"]),
-                           "fx_nodes": tuple(n["fx_nodes"])})
-            for n in obj["nodes"]
-        ]
-        data = {d["name"]: DataNode(**d) for d in obj["data"]}
-        return cls(nodes, data, tuple(obj["forward_outputs"]), tuple(obj["backward_outputs"]),
-                   obj.get("name", ""), obj.get("blocks", []), obj.get("block_classes", []),
-                   tuple(obj.get("user_outputs", ())), obj.get("backward_blocks", []))
-
     def render(self, path: str | Path, **kw: Any) -> Path:
         from rkgraph.render import render  # graphviz is imported only when drawing
 
         return render(self, path, **kw)
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=1))
-
-    @classmethod
-    def load(cls, path: str | Path) -> RematGraph:
-        return cls.from_json(json.loads(Path(path).read_text()))

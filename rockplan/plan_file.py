@@ -6,6 +6,10 @@ A plan file holds the whole graph, not only the schedule, for two reasons: a per
 check that the file matches the freshly captured graph node by node. A schedule replayed on
 another graph would run different ops on different tensors; the mismatch error names the first
 node that differs so the cause (another model, shape or dtype, another torch) can be found.
+
+Its `graph` object is the one JSON form of a RematGraph (`plan_document` writes it, `read_plan`
+reads it back); Checkmate's node-link files are an import format only
+(`solvers.checkmate_graphs`).
 """
 
 from __future__ import annotations
