@@ -40,8 +40,8 @@ from torch._dynamo.backends.debugging import aot_eager  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 from rkgraph.rewrites import lean_rewrites  # noqa: E402
+from rkgraph.units import format_bytes  # noqa: E402
 from rockplan import Rockmate, zoo  # noqa: E402
-from rockplan.budget import format_bytes  # noqa: E402
 from rockplan.memory import measure_step, steady_cpu_heap  # noqa: E402
 from solvers import RUNTIME_SOLVERS, InfeasibleBudget, InvalidSchedule  # noqa: E402
 from solvers.bounds import time_lower_bound  # noqa: E402

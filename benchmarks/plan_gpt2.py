@@ -25,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_page import PAGES, write_page  # noqa: E402  (beside this script, on its path)
 
 import rkgraph  # noqa: E402
+from rkgraph.units import format_bytes  # noqa: E402
 from rockplan import zoo  # noqa: E402
-from solvers import SOLVERS, InfeasibleBudget, budget_bounds, format_bytes  # noqa: E402
+from solvers import SOLVERS, InfeasibleBudget, budget_bounds  # noqa: E402
 from solvers.bounds import time_lower_bound  # noqa: E402
 
 METHODS = ("rockmate", "rotor", "dtr", "checkpoint_blocks")

@@ -19,8 +19,8 @@ import time
 
 import torch
 
+from rkgraph.units import format_bytes
 from rockplan import Rockmate, steady_cpu_heap, zoo
-from rockplan.budget import format_bytes
 from rockplan.memory import measure_step
 
 

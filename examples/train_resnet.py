@@ -18,8 +18,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from rkgraph.units import format_bytes
 from rockplan import Rockmate
-from rockplan.budget import format_bytes
 from rockplan.memory import measure_step
 from rockplan.zoo import ResNet
 

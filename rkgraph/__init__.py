@@ -9,10 +9,10 @@ from typing import Any, Literal
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from rkgraph.blocks import split_into_blocks
 from rkgraph.build import build_graph
 from rkgraph.capture import CaptureError, JointGraph, trace_joint
 from rkgraph.graph import ComputeNode, DataNode, RematGraph
-from rkgraph.partition import partition
 from rkgraph.profile import (
     AllocatorEvents,
     estimate_scratch,
@@ -29,8 +29,8 @@ log = logging.getLogger(__name__)
 __all__ = [
     "REWRITES", "AllocatorEvents", "CaptureError", "ComputeNode", "DataNode", "JointGraph", "RematGraph",
     "apply_rewrites", "build_graph", "capture", "capture_joint", "estimate_scratch", "estimate_times", "lean_rewrites",
-    "lean_variant", "measure_scratch", "measure_times", "partition", "profile_graph", "random_tangents",
-    "share_profile",
+    "lean_variant", "measure_scratch", "measure_times", "profile_graph", "random_tangents",
+    "share_profile", "split_into_blocks",
 ]
 
 
@@ -136,5 +136,5 @@ def capture(
     args_t = args if isinstance(args, tuple) else (args,)
     real = flat_tensors(model, flatten_call(model, args_t, kwargs or {}), args_t, kwargs or {})
     profile_graph(graph, joint, real, profile)
-    partition(graph)
+    split_into_blocks(graph)
     return graph

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from rkgraph.capture import JointGraph
+from rkgraph.capture import JointGraph, is_tangent
 from rkgraph.graph import SOURCE_KINDS, ComputeNode, DataNode, RematGraph
 
 # Ops whose output shares its input's storage although their schema does not say so.
@@ -120,7 +120,7 @@ def build_graph(joint: JointGraph, name: str = "", replay_rng: bool = True) -> R
     primal_index = 0
     for node in gm.graph.find_nodes(op="placeholder"):
         size = _tensor_bytes(node.meta.get("val"))
-        if node.name.startswith("tangents"):
+        if is_tangent(node):
             data[node.name] = DataNode(node.name, size, "tangent")
         else:
             data[node.name] = DataNode(node.name, size, joint.input_kinds[primal_index],

@@ -80,6 +80,13 @@ class FlatCall:
         return pytree.tree_unflatten(leaves, self.spec)
 
 
+def is_tangent(node: fx.Node) -> bool:
+    """A placeholder for the gradient of a forward output. AOTAutograd names a joint graph's
+    inputs primals_i and tangents_i, and the backward graphs split from it keep the tangents'
+    names: the name is the only mark they carry."""
+    return node.op == "placeholder" and node.name.startswith("tangents")
+
+
 def flatten_call(model: torch.nn.Module, args: tuple, kwargs: dict) -> FlatCall:
     _check_signature(model, args, kwargs)
     leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -262,7 +269,7 @@ def joint_graph(flat: FlatCall, joint: fx.GraphModule, num_fwd_outputs: int) -> 
     kinds = ["param"] * len(flat.param_names) + ["buffer"] * len(flat.buffer_names)
     kinds += ["input"] * len(flat.input_names)
     names = flat.param_names + flat.buffer_names + flat.input_names
-    primals = [p.name for p in joint.graph.find_nodes(op="placeholder") if not p.name.startswith("tangents")]
+    primals = [p.name for p in joint.graph.find_nodes(op="placeholder") if not is_tangent(p)]
     mutated = frozenset(primals[i] for i in flat.mutated)
     return JointGraph(joint, num_fwd_outputs, kinds, names, mutated)
 

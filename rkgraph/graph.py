@@ -25,8 +25,7 @@ Memory semantics, shared by the simulator and every solver:
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -70,8 +69,9 @@ class RematGraph:
     forward_outputs: tuple[str, ...]
     backward_outputs: tuple[str, ...]
     name: str = ""
-    # Partition of the forward nodes into a chain of blocks (lists of forward node names)
-    # and a class id per block: blocks with the same class are structurally identical.
+    # The forward nodes cut into a chain of blocks (lists of forward node names; see
+    # `rkgraph.blocks.split_into_blocks`) and a class id per block: blocks with the same class
+    # are structurally identical.
     blocks: list[list[str]] = field(default_factory=list)
     block_classes: list[int] = field(default_factory=list)
     # Forward outputs returned to the user, who holds them until the step ends (the others are
@@ -84,6 +84,9 @@ class RematGraph:
 
     def __post_init__(self) -> None:
         self.index = {n.name: i for i, n in enumerate(self.nodes)}
+        # The gradients of the forward's outputs, in data order: they appear as the backward
+        # starts and are held until it ends (the simulator, every solver and codegen agree).
+        self.tangents: tuple[str, ...] = tuple(d for d, dn in self.data.items() if dn.kind == "tangent")
         self.users: dict[str, list[str]] = {d: [] for d in self.data}
         for n in self.nodes:
             for d in n.inputs:
@@ -143,40 +146,7 @@ class RematGraph:
             if dn.producer is None and dn.kind == "activation":
                 raise ValueError(f"activation {d} has no producer")
 
-    # JSON round trip, so graphs can be saved, diffed and loaded by tests and tools.
-    def to_json(self) -> dict:
-        return {
-            "name": self.name,
-            "nodes": [asdict(n) for n in self.nodes],
-            "data": [asdict(d) for d in self.data.values()],
-            "forward_outputs": list(self.forward_outputs),
-            "backward_outputs": list(self.backward_outputs),
-            "blocks": self.blocks,
-            "block_classes": self.block_classes,
-            "user_outputs": list(self.user_outputs),
-            "backward_blocks": self.backward_blocks,
-        }
-
-    @classmethod
-    def from_json(cls, obj: dict) -> RematGraph:
-        nodes = [
-            ComputeNode(**{**n, "inputs": tuple(n["inputs"]), "outputs": tuple(n["outputs"]),
-                           "fx_nodes": tuple(n["fx_nodes"])})
-            for n in obj["nodes"]
-        ]
-        data = {d["name"]: DataNode(**d) for d in obj["data"]}
-        return cls(nodes, data, tuple(obj["forward_outputs"]), tuple(obj["backward_outputs"]),
-                   obj.get("name", ""), obj.get("blocks", []), obj.get("block_classes", []),
-                   tuple(obj.get("user_outputs", ())), obj.get("backward_blocks", []))
-
     def render(self, path: str | Path, **kw: Any) -> Path:
         from rkgraph.render import render  # graphviz is imported only when drawing
 
         return render(self, path, **kw)
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=1))
-
-    @classmethod
-    def load(cls, path: str | Path) -> RematGraph:
-        return cls.from_json(json.loads(Path(path).read_text()))

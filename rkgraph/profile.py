@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils.flop_counter import flop_registry
 
-from rkgraph.capture import preserved_rng
+from rkgraph.capture import is_tangent, preserved_rng
 from rkgraph.graph import RematGraph
 from rkgraph.rewrites import known_scratch
 
@@ -130,7 +130,7 @@ def random_tangents(joint: fx.GraphModule, device: str | torch.device = "cpu") -
     generator = torch.Generator(device).manual_seed(0)
     out = []
     for p in joint.graph.find_nodes(op="placeholder"):
-        if p.name.startswith("tangents"):
+        if is_tangent(p):
             val = p.meta["val"]
             if val.is_floating_point():
                 out.append(torch.randn(val.shape, dtype=val.dtype, device=device, generator=generator))

@@ -1,10 +1,11 @@
 """Draw a RematGraph with graphviz: blocks, forward and backward ops, tensor sizes, decisions.
 
 Two views. The full view draws every compute node: forward ops as blue boxes grouped into one
-cluster per block, backward ops as yellow ellipses grouped by the block whose backward they
-compute, and data as edges labelled with their size when large. Parameters and inputs are not
-drawn (they are alive throughout and cost the step nothing); tangents are small notes where
-the backward begins. The collapsed view, for graphs too large to read op by op, draws one node
+cluster per block (graph.blocks), backward ops as yellow ellipses grouped by the block whose
+backward they compute (graph.backward_blocks: the blocks the planners use; module paths only
+label a block), and data as edges labelled with their size when large. Parameters and inputs
+are not drawn (they are alive throughout and cost the step nothing); tangents are small notes
+where the backward begins. The collapsed view, for graphs too large to read op by op, draws one node
 per block and one per block's backward, side by side, so a 12-layer transformer is two
 columns of a few dozen boxes.
 
@@ -15,15 +16,16 @@ by what happens to them: "kept", "recomputed" or "freed early".
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import graphviz
 
-from rkgraph import units
+from rkgraph.blocks import block_module, block_of
 from rkgraph.graph import ComputeNode, RematGraph
+from rkgraph.units import format_bytes
 
-__all__ = ["COLLAPSE_ABOVE", "DECISION_COLORS", "backward_block_of", "format_bytes", "graph_dot", "render"]
+__all__ = ["COLLAPSE_ABOVE", "DECISION_COLORS", "graph_dot", "render"]
 
 # Beyond this many compute nodes the full view is a wall of boxes; the collapsed view is drawn.
 COLLAPSE_ABOVE = 150
@@ -37,10 +39,7 @@ BACKWARD_COLOR = "#fff2c6"
 # Pale backgrounds for block clusters, one per class: identical blocks look alike.
 CLASS_COLORS = ("#f7f7f7", "#eef6ee", "#f6eef6", "#eef3f8", "#f8f3e8", "#eef8f8", "#f8eeee", "#f2f2e6")
 FORMATS = frozenset({"pdf", "png", "svg"})
-
-
-def format_bytes(size: float) -> str:
-    return units.format_bytes(size, digits=1)  # compact labels
+LABEL_DIGITS = 1  # sizes in labels: compact
 
 
 def format_time(seconds: float) -> str:
@@ -57,53 +56,6 @@ def _short_op(op: str) -> str:
     if len(parts) >= 2 and parts[0] == "aten":
         return parts[1]
     return op or "?"
-
-
-def _common_module(modules: Iterable[str]) -> str:
-    """Longest dotted prefix shared by the non-empty module paths (glue ops have none)."""
-    paths = [m.split(".") for m in modules if m]
-    if not paths:
-        return ""
-    prefix = paths[0]
-    for path in paths[1:]:
-        n = 0
-        while n < min(len(prefix), len(path)) and prefix[n] == path[n]:
-            n += 1
-        prefix = prefix[:n]
-    return ".".join(prefix)
-
-
-def _block_of(graph: RematGraph) -> dict[str, int]:
-    return {name: i for i, block in enumerate(graph.blocks) for name in block}
-
-
-def backward_block_of(graph: RematGraph) -> dict[str, int | None]:
-    """The block whose backward each backward node computes (None when it cannot be told).
-
-    By module first: a backward op carries the module path of the forward op it differentiates,
-    and a module usually lies in one block. A module spanning several blocks (a residual add
-    in the layer's top module) is decided by the data: the latest block whose activations the
-    node reads, since a block's backward reads that block's saved tensors and its input (made
-    by the block before). Nodes that read only gradients (bias gradient sums) belong with the
-    node autograd ran before them.
-    """
-    block_of = _block_of(graph)
-    blocks_of_module: dict[str, set[int]] = defaultdict(set)
-    for name, i in block_of.items():
-        blocks_of_module[graph.node(name).module].add(i)
-    result: dict[str, int | None] = {}
-    previous: int | None = None
-    for node in graph.backward_nodes:
-        candidates = blocks_of_module.get(node.module, set()) if node.module else set()
-        read = {block_of[p] for d in node.inputs if (p := graph.data[d].producer) in block_of}
-        if len(candidates) == 1:
-            (choice,) = candidates
-        elif read & candidates or read:
-            choice = max(read & candidates or read)
-        else:
-            choice = previous
-        result[node.name] = previous = choice
-    return result
 
 
 def _check_decisions(graph: RematGraph, decisions: Mapping[str, str]) -> None:
@@ -176,14 +128,14 @@ def _node_label(node: ComputeNode, graph: RematGraph) -> str:
     if len(node.fx_nodes) > 1:
         lines.append(f"+{len(node.fx_nodes) - 1} grouped ops")
     out = sum(graph.data[d].size for d in node.outputs)
-    lines.append(f"{format_bytes(out)} · {format_time(node.time)}")
+    lines.append(f"{format_bytes(out, LABEL_DIGITS)} · {format_time(node.time)}")
     return "\n".join(lines)
 
 
 def _tooltip(node: ComputeNode, graph: RematGraph) -> str:
-    outs = ", ".join(f"{d} ({format_bytes(graph.data[d].size)})" for d in node.outputs)
+    outs = ", ".join(f"{d} ({format_bytes(graph.data[d].size, LABEL_DIGITS)})" for d in node.outputs)
     return (f"{node.name}: {node.op}\nmodule: {node.module or '-'}\noutputs: {outs}\n"
-            f"workspace: {format_bytes(node.workspace)}\ntime: {format_time(node.time)}"
+            f"workspace: {format_bytes(node.workspace, LABEL_DIGITS)}\ntime: {format_time(node.time)}"
             + ("\nrandom: computed once" if node.random else ""))
 
 
@@ -198,29 +150,27 @@ def _full_dot(graph: RematGraph, decisions: dict[str, str]) -> graphviz.Digraph:
                     fillcolor=fill, tooltip=_tooltip(node, graph),
                     penwidth="2" if node.random else "0.8")  # a thick frame marks random ops
 
-    block_of = _block_of(graph)
+    owner = block_of(graph)
     for i, block in enumerate(graph.blocks):
         cls = graph.block_classes[i] if i < len(graph.block_classes) else 0
-        module = _common_module(graph.node(n).module for n in block) or "(top level)"
+        module = block_module(graph, block)
         with dot.subgraph(name=f"cluster_block_{i}") as cluster:
             cluster.attr(label=f"block {i} · class {cls}\n{module}", style="filled,rounded",
                          fillcolor=CLASS_COLORS[cls % len(CLASS_COLORS)], color="#888888", fontsize="11")
             for name in block:
                 add_node(cluster, graph.node(name))
-    for node in graph.forward_nodes:  # graphs not partitioned yet have no blocks
-        if node.name not in block_of:
+    for node in graph.forward_nodes:  # graphs not split yet have no blocks
+        if node.name not in owner:
             add_node(dot, node)
 
     by_block: dict[int | None, list[ComputeNode]] = defaultdict(list)
-    owner = backward_block_of(graph)
     for node in graph.backward_nodes:
-        by_block[owner[node.name]].append(node)
-    tangents = [d for d, dn in graph.data.items() if dn.kind == "tangent"]
+        by_block[owner.get(node.name)].append(node)
     with dot.subgraph(name="cluster_backward") as backward:
         backward.attr(label="backward (runs bottom to top)", labelloc="b", style="rounded", color="#b08000",
                       fontsize="14")
-        for d in tangents:
-            backward.node(d, f"{d}\n{format_bytes(graph.data[d].size)}", shape="note", fillcolor="white",
+        for d in graph.tangents:
+            backward.node(d, f"{d}\n{format_bytes(graph.data[d].size, LABEL_DIGITS)}", shape="note", fillcolor="white",
                           fontsize="9")
         for i, nodes in by_block.items():
             label = "backward (unassigned)" if i is None else f"backward of block {i}"
@@ -231,11 +181,11 @@ def _full_dot(graph: RematGraph, decisions: dict[str, str]) -> graphviz.Digraph:
     # The backward column climbs beside the forward one (the classic U): the tangents sit level
     # with the end of the forward, and the last backward op of each block level with the block's
     # first forward op, so the tensors a block saves for its backward cross horizontally.
-    if graph.forward_nodes and tangents:
+    if graph.forward_nodes and graph.tangents:
         with dot.subgraph() as row:
             row.attr(rank="same")
             row.node(graph.forward_nodes[-1].name)
-            row.node(tangents[0])
+            row.node(graph.tangents[0])
     for i, nodes in by_block.items():
         if i is not None and i < len(graph.blocks) and graph.blocks[i]:
             with dot.subgraph() as row:
@@ -253,7 +203,7 @@ def _full_dot(graph: RematGraph, decisions: dict[str, str]) -> graphviz.Digraph:
         size = sum(graph.data[d].size for d in data)
         attrs: dict[str, str] = {}
         if largest and size >= LARGE_FRACTION * largest:
-            attrs["label"] = format_bytes(size)
+            attrs["label"] = format_bytes(size, LABEL_DIGITS)
         decided = [decisions[d] for d in data if d in decisions]
         if decided:
             attrs.update(color=DECISION_COLORS[decided[0]], penwidth="2.5")
@@ -294,24 +244,22 @@ def _decision_summary(names: list[str], graph: RematGraph, decisions: dict[str, 
 def _collapsed_dot(graph: RematGraph, decisions: dict[str, str]) -> graphviz.Digraph:
     dot = _new_digraph(graph, f"{graph.name or 'graph'}: {len(graph.blocks)} blocks, "
                               f"{len(graph.nodes)} nodes (collapsed)")
-    block_of = _block_of(graph)
-    owner = backward_block_of(graph)
-    group_of: dict[str, str] = {n: f"block_{i}" for n, i in block_of.items()}
-    group_of.update({n: f"backward_{i}" for n, i in owner.items()})
-
+    owner = block_of(graph)
+    group_of: dict[str, str] = {n.name: f"block_{owner[n.name]}" for n in graph.forward_nodes if n.name in owner}
     backward_members: dict[int | None, list[str]] = defaultdict(list)
-    for name, i in owner.items():
-        backward_members[i].append(name)
+    for node in graph.backward_nodes:
+        group_of[node.name] = f"backward_{owner.get(node.name)}"
+        backward_members[owner.get(node.name)].append(node.name)
 
     def summary(names: list[str]) -> str:
         nodes = [graph.node(n) for n in names]
         activations = sum(graph.data[d].size for n in nodes for d in n.outputs)
-        return (f"{len(nodes)} node{'s' * (len(nodes) != 1)} · {format_bytes(activations)}\n"
+        return (f"{len(nodes)} node{'s' * (len(nodes) != 1)} · {format_bytes(activations, LABEL_DIGITS)}\n"
                 f"time {format_time(sum(n.time for n in nodes))}")
 
     for i, block in enumerate(graph.blocks):
         cls = graph.block_classes[i] if i < len(graph.block_classes) else 0
-        module = _common_module(graph.node(n).module for n in block) or "(top level)"
+        module = block_module(graph, block)
         extra, fill = _decision_summary(block, graph, decisions)
         back = backward_members.get(i, [])
         # Each block's backward sits beside it: the forward reads down, the backward up.
@@ -326,7 +274,7 @@ def _collapsed_dot(graph: RematGraph, decisions: dict[str, str]) -> graphviz.Dig
     if None in backward_members:
         dot.node("backward_None", f"backward (unassigned)\n{summary(backward_members[None])}",
                  shape="ellipse", fillcolor=BACKWARD_COLOR)
-    for name in (n.name for n in graph.forward_nodes if n.name not in block_of):
+    for name in (n.name for n in graph.forward_nodes if n.name not in owner):
         dot.node(name, name, shape="box", fillcolor=FORWARD_COLOR)
         group_of[name] = name
 
@@ -338,7 +286,7 @@ def _collapsed_dot(graph: RematGraph, decisions: dict[str, str]) -> graphviz.Dig
             if producer is not None and group_of[producer] != group_of[node.name]:
                 carried[(group_of[producer], group_of[node.name])].add(d)
     for (a, b), data in carried.items():
-        label = format_bytes(sum(graph.data[d].size for d in data))
+        label = format_bytes(sum(graph.data[d].size for d in data), LABEL_DIGITS)
         if a.startswith("block_") and b.startswith("block_"):
             # Edges that skip blocks (an attention mask read by every layer) would pull the
             # chain into a diagonal; only the chain itself sets the layout.

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import re
 
-from rkgraph.units import format_bytes  # noqa: F401  (part of this module's API)
-
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

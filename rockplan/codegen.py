@@ -18,7 +18,7 @@ import torch
 from torch import fx
 
 from rkgraph.build import first_value, is_random, is_view
-from rkgraph.capture import JointGraph
+from rkgraph.capture import JointGraph, is_tangent
 from rkgraph.graph import RematGraph
 from rockplan.rng import replay, rng_state
 
@@ -143,7 +143,7 @@ def generate(joint: JointGraph, graph: RematGraph, schedule: Any) -> tuple[fx.Gr
     fx_nodes = {n.name: n for n in gm.graph.nodes}
     fw = _Emitter(gm, graph, record=set(_rerun_random_ops(graph, schedule.ops, fx_nodes)))
     for p in placeholders:
-        if not p.name.startswith("tangents"):
+        if not is_tangent(p):
             fw.placeholder(p.name)
     fw.run(forward_ops)
     missing = [d for d in saved if d not in fw.env]
@@ -167,7 +167,7 @@ def generate(joint: JointGraph, graph: RematGraph, schedule: Any) -> tuple[fx.Gr
         bw.rng_states[r] = bw.graph.placeholder(f"rng_state_{r}")
         bw.rng_states[r].meta["val"] = fw.rng_states[r].meta["val"]
     for p in placeholders:
-        if p.name.startswith("tangents"):
+        if is_tangent(p):
             bw.placeholder(p.name)
     bw.run(backward_ops)
     bw_module = bw.module(gm, outputs[joint.num_fwd_outputs:])

@@ -1,10 +1,11 @@
 """`explain`: a table a person reads in a terminal, saying what a schedule does block by block.
 
-Per block (graph.blocks, named by the module path its nodes share): what the block's forward
-hands to the backward, how that compares with store-all ("saved" is the activation memory the
-backward no longer holds), which ops run again and the time that adds. Then totals: the plan
-against store-everything (fastest, most memory) and against checkpointing every block (the
-classic recipe), with predicted peak and time.
+Per block (graph.blocks and graph.backward_blocks: the blocks the planners use, labelled by the
+module path their nodes share): what the block's forward hands to the backward, how that
+compares with store-all ("saved" is the activation memory the backward no longer holds), which
+ops run again and the time that adds. Then totals: the plan against store-everything (fastest,
+most memory) and against checkpointing every block (the classic recipe), with predicted peak
+and time.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
 
+from rkgraph.blocks import block_module, block_of
 from rkgraph.graph import RematGraph
-from rkgraph.render import _common_module, _short_op, backward_block_of, format_time
+from rkgraph.render import _short_op, format_time
 from rkgraph.rewrites import lean_rewrites
-from rockplan.budget import format_bytes
+from rkgraph.units import format_bytes
 from rockplan.decisions import decide
 from solvers.bounds import time_lower_bound
 from solvers.checkpoint_blocks import solve_checkpoint_blocks
@@ -63,8 +65,7 @@ def explain(graph: RematGraph, schedule: Schedule, store_all: Schedule,
     it cannot run (a random op that would be recomputed) shows it as not applicable.
     """
     decisions = decide(graph, schedule, store_all)
-    block_of = {name: i for i, block in enumerate(graph.blocks) for name in block}
-    block_of.update({n: i for n, i in backward_block_of(graph).items() if i is not None})
+    owner = block_of(graph)
     kept, freed = set(decisions.kept), set(decisions.freed_early)
     forward_readers: dict[str, set[str]] = {d: set() for d in graph.data}
     for node in graph.forward_nodes:
@@ -76,7 +77,7 @@ def explain(graph: RematGraph, schedule: Schedule, store_all: Schedule,
         outputs = [d for n in block for d in graph.node(n).outputs]
         kept_bytes = sum(graph.data[d].size for d in outputs if d in kept)
         saved_bytes = sum(graph.data[d].size for d in outputs if d in freed)
-        again = {n: decisions.recomputations(n) for n in graph.index if block_of.get(n) == i}
+        again = {n: decisions.recomputations(n) for n in graph.index if owner.get(n) == i}
         again = {n: c for n, c in again.items() if c}
         ops: Counter[str] = Counter()
         for n, count in again.items():
@@ -92,11 +93,11 @@ def explain(graph: RematGraph, schedule: Schedule, store_all: Schedule,
         else:
             option = "partial"
         cls = graph.block_classes[i] if i < len(graph.block_classes) else 0
-        module = _common_module(graph.node(n).module for n in block) or "(top level)"
+        module = block_module(graph, block)
         rows.append([str(i), module, str(cls), option, format_bytes(kept_bytes),
                      format_bytes(saved_bytes) if saved_bytes else "-", _ops_summary(ops),
                      format_time(added) if added else "-"])
-    unassigned = sum(decisions.recomputations(n) for n in graph.index if n not in block_of)
+    unassigned = sum(decisions.recomputations(n) for n in graph.index if n not in owner)
 
     lines = [f"{graph.name or 'graph'}: {len(graph.nodes)} nodes in {len(graph.blocks)} blocks; "
              f"solver {schedule.solver or '?'}, budget "

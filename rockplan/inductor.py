@@ -11,6 +11,8 @@ import torch
 from torch import fx
 from torch._dynamo.backends.debugging import boxed_nop
 
+from rkgraph.capture import is_tangent
+
 
 def decompositions() -> dict:
     """Inductor's decomposition table, for tracing the step as torch.compile would."""
@@ -57,7 +59,7 @@ def inductor_compiler(num_fwd_outputs: Callable[[], int]) -> Callable[[fx.GraphM
             return None
 
     def restride(placeholders: list[fx.Node], example_inputs: list[Any]) -> None:
-        handed_over = [i for i, p in enumerate(placeholders) if not p.name.startswith("tangents")]
+        handed_over = [i for i, p in enumerate(placeholders) if not is_tangent(p)]
         if not forward_output_strides:  # none reported (as AOTAutograd without a TracingContext)
             return
         if handed_over != list(range(len(handed_over))) or len(handed_over) > len(forward_output_strides):
@@ -74,7 +76,7 @@ def inductor_compiler(num_fwd_outputs: Callable[[], int]) -> Callable[[fx.GraphM
 
     def compile(gm: fx.GraphModule, example_inputs: Any) -> Any:
         placeholders = gm.graph.find_nodes(op="placeholder")
-        backward = any(p.name.startswith("tangents") for p in placeholders)
+        backward = any(is_tangent(p) for p in placeholders)
         output = gm.graph.find_nodes(op="output")[0]
         if backward:
             example_inputs = list(example_inputs)

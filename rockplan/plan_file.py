@@ -6,6 +6,10 @@ A plan file holds the whole graph, not only the schedule, for two reasons: a per
 check that the file matches the freshly captured graph node by node. A schedule replayed on
 another graph would run different ops on different tensors; the mismatch error names the first
 node that differs so the cause (another model, shape or dtype, another torch) can be found.
+
+Its `graph` object is the one JSON form of a RematGraph (`plan_document` writes it, `read_plan`
+reads it back); Checkmate's node-link files are an import format only
+(`solvers.checkmate_graphs`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
+from rkgraph.blocks import backward_blocks
 from rkgraph.graph import ComputeNode, DataNode, RematGraph
 from rockplan.decisions import decide
 from solvers.schedule import Op, Schedule
@@ -206,8 +211,11 @@ def _graph_from_document(obj: dict[str, Any]) -> RematGraph:
                          fx_nodes=tuple(n["fx_nodes"]))
              for n in obj["nodes"]]
     data = {d["name"]: DataNode(d["name"], d["size"], d["kind"], d["producer"], d["mutated"]) for d in obj["data"]}
-    return RematGraph(nodes, data, tuple(obj["forward_outputs"]), tuple(obj["backward_outputs"]), obj["name"],
-                      [list(b) for b in obj["blocks"]], list(obj["block_classes"]), tuple(obj["user_outputs"]))
+    graph = RematGraph(nodes, data, tuple(obj["forward_outputs"]), tuple(obj["backward_outputs"]), obj["name"],
+                       [list(b) for b in obj["blocks"]], list(obj["block_classes"]), tuple(obj["user_outputs"]))
+    # Not stored: the backward's blocks follow from the forward's by data flow, as when planning.
+    graph.backward_blocks = backward_blocks(graph) if graph.blocks else []
+    return graph
 
 
 def _schedule_from_document(obj: dict[str, Any]) -> Schedule:

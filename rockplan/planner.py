@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import torch
 
-from rkgraph import build_graph, partition, profile_graph
+from rkgraph import build_graph, profile_graph, split_into_blocks
 from rkgraph.capture import JointGraph
 from rkgraph.graph import RematGraph
 from rkgraph.rewrites import lean_variant
@@ -154,7 +154,7 @@ def costed_graph(joint: JointGraph, real_inputs: list[torch.Tensor] | None, prof
     graph = build_graph(joint, name=options.name, replay_rng=options.replay_rng)
     graph.joint = joint
     profile_graph(graph, joint, real_inputs, profile, reference=shared)
-    partition(graph)
+    split_into_blocks(graph)
     return graph
 
 

@@ -11,10 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from rkgraph.graph import RematGraph
+from rkgraph.units import byte_unit
 from solvers.schedule import Schedule
 from solvers.simulate import simulate
-
-_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
 
 
 def _steps(graph: RematGraph, schedule: Schedule) -> tuple[list[int], list[float], int]:
@@ -48,7 +47,7 @@ def plot_memory(graph: RematGraph, schedule: Schedule, path: str | Path, budget:
         raise ImportError("plot_memory needs matplotlib: pip install 'rockplan[plot]'") from None
 
     highest = max(schedule.predicted_peak, store_all.predicted_peak, budget or 0)
-    unit, scale = next((u, s) for u, s in _UNITS if highest >= s or s == 1)
+    unit, scale = byte_unit(highest)
     fig, ax = plt.subplots(figsize=(10, 4.8), layout="constrained")
     series = [(f"store everything ({store_all.solver or 'store_all'})", store_all, "#7f7f7f", 1.2),
               (f"this plan ({schedule.solver or '?'})", schedule, "#1f77b4", 1.8)]

@@ -5,7 +5,7 @@ Each solver takes its own keyword options and refuses others (`solver_options` l
 import inspect
 from collections.abc import Callable
 
-from solvers.bounds import budget_bounds, format_bytes, min_feasible_budget
+from solvers.bounds import budget_bounds, min_feasible_budget
 from solvers.checkmate_graphs import CHECKMATE_GRAPHS, checkmate_reference_peak, load_checkmate_graph
 from solvers.checkpoint_blocks import solve_checkpoint_blocks
 from solvers.dtr import solve_dtr
@@ -45,7 +45,7 @@ def solver_options(name: str) -> list[str]:
 __all__ = [
     "CAPTURED_GRAPH_SOLVERS", "CHECKMATE_GRAPHS", "RUNTIME_SOLVERS", "SOLVERS", "InfeasibleBudget",
     "InvalidSchedule", "Op", "Schedule", "SimulationResult", "budget_bounds", "checkmate_reference_peak",
-    "format_bytes", "free_at_last_use", "load_checkmate_graph", "min_feasible_budget", "simulate",
+    "free_at_last_use", "load_checkmate_graph", "min_feasible_budget", "simulate",
     "solver_options", "solve_checkpoint_blocks", "solve_dtr", "solve_greedy_checkpoints", "solve_ilp",
     "solve_peak_shaving", "solve_rockmate", "solve_rotor", "solve_saved_values", "solve_sqrt_segments",
     "solve_store_all", "solve_torch_budget",

@@ -29,7 +29,7 @@ from rkgraph.units import format_bytes
 from solvers.checkpoint_blocks import solve_checkpoint_blocks
 from solvers.ilp_model import MilpBuilder
 from solvers.schedule import Schedule
-from solvers.simulate import InfeasibleBudget, schedule_from_computes
+from solvers.simulate import InfeasibleBudget, schedule_from_computes, to_recompute
 from solvers.sqrt_segments import solve_sqrt_segments
 from solvers.store_all import solve_store_all
 
@@ -60,8 +60,7 @@ def _step_floors(graph: RematGraph, ancestors: list[int]) -> dict[str, tuple[int
     Its inputs, outputs and workspace; for a backward node also the tangents and the user's
     outputs (held through the backward) and the gradients its ancestors made (made before it,
     never freed: the parameter gradients of a whole model, at its last backward nodes)."""
-    tangents = [d for d, dn in graph.data.items() if dn.kind == "tangent"]
-    held_in_backward = [*tangents, *graph.user_outputs]
+    held_in_backward = [*graph.tangents, *graph.user_outputs]
     gradients = [(graph.index[producer], d) for d in dict.fromkeys(graph.backward_outputs)
                  if (producer := graph.data[d].producer) is not None]
     floors = {}
@@ -79,8 +78,7 @@ def _step_floors(graph: RematGraph, ancestors: list[int]) -> dict[str, tuple[int
 
 def memory_lower_bound(graph: RematGraph) -> tuple[int, str]:
     """(bytes, reason): no schedule can peak below this; the reason names what forces it."""
-    tangents = [d for d, dn in graph.data.items() if dn.kind == "tangent"]
-    candidates = [(_size(graph, graph.forward_outputs) + _size(graph, tangents),
+    candidates = [(_size(graph, graph.forward_outputs) + _size(graph, graph.tangents),
                    "forward outputs and tangents alive together at the phase boundary"),
                   (_size(graph, [*graph.backward_outputs, *graph.user_outputs]),
                    "backward outputs and the user's forward outputs alive at the end")]
@@ -280,7 +278,7 @@ def min_memory_schedule(graph: RematGraph, checkpoints: Iterable[str] = (), solv
     `checkpoints`) and recompute each missing forward activation (and its missing ancestors)
     right before it is read. With `forward_once`, the forward phase runs each node once (values
     live until their last forward use) and only backward stages recompute."""
-    persistent = {d for d, dn in graph.data.items() if dn.kind == "tangent"} | set(checkpoints)
+    persistent = set(graph.tangents) | set(checkpoints)
     for node in graph.nodes:
         if node.backward or node.random:
             persistent.update(node.outputs)
@@ -293,17 +291,12 @@ def min_memory_schedule(graph: RematGraph, checkpoints: Iterable[str] = (), solv
             computes.append(node.name)
             continue
         available = {d for d in persistent if graph.data[d].kind != "tangent" or node.backward}
-        missing: set[str] = set()  # nodes to recompute in this stage
-        stack = [d for d in node.inputs if not graph.is_source(d)]
-        while stack:
-            d = stack.pop()
-            producer = graph.data[d].producer
-            if d in available or producer is None or producer in missing:
-                continue
+        missing = to_recompute(graph, node.inputs, available)  # nodes to recompute in this stage
+        for producer in missing:
             if graph.index[producer] >= t:
+                d = next(d for n in (node.name, *missing) for d in graph.node(n).inputs
+                         if graph.data[d].producer == producer)
                 raise ValueError(f"node {node.name} reads {d} before it is produced")
-            missing.add(producer)
-            stack.extend(x for x in graph.node(producer).inputs if not graph.is_source(x))
         computes.extend(sorted(missing, key=graph.index.__getitem__))
         computes.append(node.name)
     if len(graph.forward_nodes) == len(graph.nodes):

@@ -11,29 +11,10 @@ from __future__ import annotations
 
 import time
 
+from rkgraph.blocks import cut_pieces
 from rkgraph.graph import RematGraph
 from solvers.schedule import Schedule
 from solvers.simulate import fixed_schedule
-
-
-def separator_pieces(graph: RematGraph) -> list[list[str]]:
-    """Split the forward nodes at single-tensor cuts: after a cut, at most one activation made
-    before it is still read by forward nodes after it (the points Chen et al. checkpoint)."""
-    forward = graph.forward_nodes
-    last_forward_read: dict[str, int] = {}
-    for i, node in enumerate(forward):
-        for d in node.inputs:
-            if not graph.is_source(d):
-                last_forward_read[d] = i
-    pieces: list[list[str]] = [[]]
-    crossing: set[str] = set()  # data made so far and read after the current position
-    for i, node in enumerate(forward):
-        pieces[-1].append(node.name)
-        crossing |= {d for d in node.outputs if last_forward_read.get(d, -1) > i}
-        crossing = {d for d in crossing if last_forward_read[d] > i}
-        if len(crossing) <= 1 and i < len(forward) - 1:
-            pieces.append([])
-    return pieces
 
 
 def _prefix(graph: RematGraph, name: str) -> str:
@@ -44,10 +25,11 @@ def _prefix(graph: RematGraph, name: str) -> str:
 
 
 def derived_blocks(graph: RematGraph) -> list[list[str]]:
-    """Blocks for graphs that come without: separator pieces, merged while consecutive pieces
-    belong to the same top-level module (or name prefix)."""
+    """Blocks for graphs that come without: the pieces between single-tensor cuts
+    (`rkgraph.blocks.cut_pieces`), merged while consecutive pieces belong to the same
+    top-level module (or name prefix)."""
     blocks: list[list[str]] = []
-    for piece in separator_pieces(graph):
+    for piece in cut_pieces(graph):
         if blocks and _prefix(graph, blocks[-1][0]) == _prefix(graph, piece[0]):
             blocks[-1].extend(piece)
         else:

@@ -31,7 +31,7 @@ from collections import Counter
 from typing import Literal
 
 from rkgraph.graph import ComputeNode, RematGraph
-from solvers.bounds import format_bytes
+from rkgraph.units import format_bytes
 from solvers.schedule import Schedule
 from solvers.simulate import InfeasibleBudget, schedule_from_computes
 
@@ -63,7 +63,7 @@ class _DtrRun:
             for d in dict.fromkeys(node.inputs):
                 self.reads[d].append(p)
         self.last_read = {d: reads[-1] if reads else -1 for d, reads in self.reads.items()}
-        self.tangents = [d for d, dn in graph.data.items() if dn.kind == "tangent"]
+        self.tangents = graph.tangents
         # Held to the end of the step (by the user, by autograd, as results): never dropped.
         self.held = frozenset(graph.user_outputs) | frozenset(graph.backward_outputs) | frozenset(self.tangents)
         self.forward_outputs = frozenset(graph.forward_outputs)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import time
 
 from rkgraph.graph import RematGraph
-from solvers.bounds import format_bytes, min_memory_schedule
+from rkgraph.units import format_bytes
+from solvers.bounds import min_memory_schedule
 from solvers.schedule import Schedule
 from solvers.simulate import InfeasibleBudget, simulate
 

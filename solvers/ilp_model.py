@@ -133,7 +133,7 @@ class CheckmateMilp:
         size = {d: math.ceil(dn.size / unit) for d, dn in graph.data.items() if not graph.is_source(d)}
         producer = {d: graph.index[dn.producer] for d, dn in graph.data.items()
                     if dn.producer is not None}
-        tangents = [d for d, dn in graph.data.items() if dn.kind == "tangent"]
+        tangents = graph.tangents
         tangent_set = set(tangents)
         readers: dict[str, list[int]] = {d: [] for d in size}
         for k, node in enumerate(graph.nodes):
@@ -349,7 +349,7 @@ def alive_at_stage_starts(graph: RematGraph, schedule: Schedule, stages: list[li
     computed = 0
     for i, op in enumerate(schedule.ops):
         if i == schedule.forward_length:
-            alive |= {d for d, dn in graph.data.items() if dn.kind == "tangent"}
+            alive |= set(graph.tangents)
         if op.kind == "compute":
             if computed in starts:
                 result.append(set(alive))

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from rkgraph.graph import RematGraph
-from solvers.bounds import format_bytes
+from rkgraph.units import format_bytes
 from solvers.dtr import solve_dtr
 from solvers.schedule import Op, Schedule
-from solvers.simulate import InfeasibleBudget, free_at_last_use, simulate
+from solvers.simulate import InfeasibleBudget, free_at_last_use, simulate, to_recompute
 
 NAME = "peak_shaving"
 
@@ -69,7 +69,7 @@ class _Family:
         self.graph = graph
         self.budget = budget
         self.nf = len(graph.forward_nodes)
-        self.tangents = [d for d, dn in graph.data.items() if dn.kind == "tangent"]
+        self.tangents = graph.tangents
         excluded = {*graph.forward_outputs, *graph.user_outputs, *graph.backward_outputs, *self.tangents}
         self.droppable = {d for d, dn in graph.data.items()
                           if dn.producer is not None and d not in excluded
@@ -88,17 +88,6 @@ class _Family:
         graph = self.graph
         computes: list[str] = []
         available: set[str] = set()
-
-        def ensure(d: str) -> bool:
-            if d in available or graph.is_source(d):
-                return True
-            producer = graph.node(graph.data[d].producer)
-            if producer.random or not all(ensure(x) for x in producer.inputs):
-                return False
-            computes.append(producer.name)
-            available.update(producer.outputs)
-            return True
-
         discarded: dict[int, list[str]] = {}
         for d, r in drops:
             discarded.setdefault(r, []).append(d)
@@ -108,10 +97,12 @@ class _Family:
                 forward_count = len(computes)
                 available.update(self.tangents)
             available.difference_update(discarded.get(r, ()))
-            if not all(ensure(d) for d in node.inputs):
+            again = to_recompute(graph, node.inputs, available)
+            if any(graph.node(name).random for name in again):
                 return None
-            computes.append(node.name)
-            available.update(node.outputs)
+            for name in (*again, node.name):
+                computes.append(name)
+                available.update(graph.node(name).outputs)
         ops, forward_length = free_at_last_use(graph, computes, forward_count)
         schedule = Schedule(ops, forward_length, solver=NAME, budget=self.budget)
         values, excess = self._steps(schedule)

@@ -1,7 +1,7 @@
 """`solve_rotor`: Beaumont et al., "Optimal checkpointing for heterogeneous chains" (rotor).
 
 The forward is a chain of blocks (graph.blocks; each backward node belongs to the block it
-differentiates, `rkgraph.partition.backward_blocks`). A dynamic program over sub-chains and
+differentiates, `rkgraph.blocks.backward_blocks`). A dynamic program over sub-chains and
 memory, discretised in `slots`, picks for every block one of:
   Fck  forward keeping what the block's backward reads (an "option": its forward sequence, its
        backward sequence, and the memory they need), then the rest of the chain, then B;
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from rkgraph.blocks import backward_blocks, input_independent
 from rkgraph.graph import DataNode, RematGraph
-from rkgraph.partition import backward_blocks, input_independent
 from solvers.checkpoint_blocks import derived_blocks
 from solvers.schedule import Op, Schedule
 from solvers.simulate import InfeasibleBudget, InvalidSchedule, free_at_last_use, schedule_from_computes
@@ -84,7 +84,7 @@ class Chain:
 
 
 def chain_blocks(graph: RematGraph) -> tuple[list[list[str]], list[list[str]]]:
-    """(forward blocks, backward blocks): the graph's own, derived at separators when absent."""
+    """(forward blocks, backward blocks): the graph's own, derived at single-tensor cuts when absent."""
     forward = [list(b) for b in graph.blocks] or derived_blocks(graph)
     if graph.backward_blocks and len(graph.backward_blocks) == len(forward) and graph.blocks:
         return forward, [list(b) for b in graph.backward_blocks]
@@ -233,14 +233,13 @@ def build_chain(graph: RematGraph, make_options: OptionMaker = lambda sub: [stor
     forward_blocks, backward_of = chain_blocks(graph)
     position = {name: j for j, block in enumerate(forward_blocks) for name in block}
     position.update({name: j for j, block in enumerate(backward_of) for name in block})
-    tangents = {d for d, dn in graph.data.items() if dn.kind == "tangent"}
     constant = input_independent(graph)
     # Input-independent values read by other blocks are made once and read all along (an
     # attention mask): like the held outputs and tangents, they are a constant of the chain.
     shared = {d for d in constant if any(position.get(u) != position.get(graph.data[d].producer)
                                          for u in graph.users[d])}
     unaccounted = shared | set(graph.user_outputs)
-    offset = sum(graph.data[d].size for d in unaccounted | tangents)
+    offset = sum(graph.data[d].size for d in unaccounted | set(graph.tangents))
 
     count = len(forward_blocks)
     output = [0] * count

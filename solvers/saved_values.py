@@ -33,10 +33,10 @@ import time
 import numpy as np
 
 from rkgraph.graph import RematGraph
-from solvers.bounds import format_bytes
+from rkgraph.units import format_bytes
 from solvers.ilp_model import MilpBuilder
 from solvers.schedule import Schedule
-from solvers.simulate import InfeasibleBudget, schedule_from_computes, simulate
+from solvers.simulate import InfeasibleBudget, schedule_from_computes, simulate, to_recompute
 from solvers.store_all import solve_store_all
 
 NAME = "saved_values"
@@ -128,26 +128,15 @@ class _Family:
         gone = (self.gaps.keys() - saved) | self.forward_only
         computes: list[str] = []
         available: set[str] = set()
-
-        def ensure(d: str) -> None:
-            if d in available or graph.is_source(d):
-                return
-            producer = graph.node(graph.data[d].producer)
-            for x in producer.inputs:
-                ensure(x)
-            computes.append(producer.name)
-            available.update(producer.outputs)
-
         forward_count = 0
         for i, node in enumerate(graph.nodes):
             if i == self.nf:
                 forward_count = len(computes)
                 available.difference_update(gone)
-                available.update(d for d, dn in graph.data.items() if dn.kind == "tangent")
-            for d in node.inputs:
-                ensure(d)
-            computes.append(node.name)
-            available.update(node.outputs)
+                available.update(graph.tangents)
+            for name in (*to_recompute(graph, node.inputs, available), node.name):
+                computes.append(name)
+                available.update(graph.node(name).outputs)
         if self.nf == len(graph.nodes):
             forward_count = len(computes)
         return schedule_from_computes(graph, computes, forward_count, solver=NAME, budget=None,

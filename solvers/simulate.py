@@ -5,14 +5,16 @@ through `simulate` before it is returned, so this file is the single definition 
 
 `free_at_last_use` is the other half: solvers decide only *which* nodes to compute in which
 order, and this helper inserts the frees, as early as the semantics allow. Keeping the free
-placement in one place means no solver can get liveness subtly wrong on its own.
+placement in one place means no solver can get liveness subtly wrong on its own. Likewise
+`to_recompute` says once what running a node again needs: the producers of its missing
+inputs, and theirs.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from rkgraph.graph import RematGraph
@@ -42,8 +44,37 @@ class SimulationResult:
     recompute_counts: dict[str, int] = field(default_factory=dict)  # node -> extra computations
 
 
-def _tangents(graph: RematGraph) -> list[str]:
-    return [d for d, dn in graph.data.items() if dn.kind == "tangent"]
+def to_recompute(graph: RematGraph, data: Iterable[str], available: Container[str]) -> list[str]:
+    """The nodes to run so that every value in `data` is at hand: the producer of each value
+    that is not in `available` and has one (sources and tangents have none), preceded by what
+    that producer needs in turn, recursively. Depth first, inputs in order: each node once, in
+    an order it can run in. `available` is only read. Random nodes are not left out: a caller
+    that must not run one again checks the result, or counts its outputs as available."""
+    order: list[str] = []
+    chosen: set[str] = set()
+
+    def wanted(d: str) -> str | None:
+        producer = graph.data[d].producer
+        return None if d in available or producer is None or producer in chosen else producer
+
+    for root in data:
+        first = wanted(root)
+        if first is None:
+            continue
+        chosen.add(first)
+        stack = [(first, iter(graph.node(first).inputs))]  # iterative: chains may be long
+        while stack:
+            name, inputs = stack[-1]
+            for d in inputs:
+                producer = wanted(d)
+                if producer is not None:
+                    chosen.add(producer)
+                    stack.append((producer, iter(graph.node(producer).inputs)))
+                    break
+            else:
+                stack.pop()
+                order.append(name)
+    return order
 
 
 @dataclass
@@ -98,7 +129,7 @@ def simulate(graph: RematGraph, schedule: Schedule, budget: int | None = None) -
     time = 0.0
     counts: dict[str, int] = defaultdict(int)
     user_outputs, backward_outputs = frozenset(graph.user_outputs), frozenset(graph.backward_outputs)
-    tangents = frozenset(_tangents(graph))
+    tangents = frozenset(graph.tangents)
     held = _held_by_code(graph, schedule)
 
     def fail(where: int | str, why: str, error: type[InvalidSchedule] = InvalidSchedule) -> InvalidSchedule:
@@ -262,11 +293,11 @@ def free_at_last_use(graph: RematGraph, computes: Sequence[str], forward_count: 
     # Outputs returned to the user are held by them until the step ends.
     # Tangents are held by autograd's call of the backward until it returns.
     keep_set = (frozenset(keep) | frozenset(graph.backward_outputs) | frozenset(graph.user_outputs)
-                | frozenset(_tangents(graph)))
+                | frozenset(graph.tangents))
     computes, forward_count = _drop_dead(graph, list(computes), forward_count, keep_set)
     # Held values are never freed; recomputing one replaces it in place (counted once). A
     # backward output (a gradient) is returned when the backward ends: once made, it stays.
-    held = frozenset(graph.user_outputs) | frozenset(_tangents(graph)) | frozenset(graph.backward_outputs)
+    held = frozenset(graph.user_outputs) | frozenset(graph.tangents) | frozenset(graph.backward_outputs)
     live = _Liveness(graph, computes)
     m = len(computes)
     fwd_out = set(graph.forward_outputs)
@@ -293,7 +324,7 @@ def free_at_last_use(graph: RematGraph, computes: Sequence[str], forward_count: 
         for d in graph.node(name).outputs:
             nxt = live.next_def(d, p)
             place(d, p, nxt, d in fwd_out and p < forward_count <= nxt)
-    for d in _tangents(graph):
+    for d in graph.tangents:
         place(d, None, m, True)
 
     ops: list[Op] = []

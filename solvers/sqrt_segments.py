@@ -10,16 +10,18 @@ from __future__ import annotations
 import math
 import time
 
+from rkgraph.blocks import cut_pieces
 from rkgraph.graph import RematGraph
-from solvers.checkpoint_blocks import segment_recompute_order, separator_pieces
+from solvers.checkpoint_blocks import segment_recompute_order
 from solvers.schedule import Schedule
 from solvers.simulate import fixed_schedule
 
 
 def sqrt_segments(graph: RematGraph, segments: int | None = None) -> list[list[str]]:
-    """Group the separator pieces into `segments` (default round(sqrt(n))) runs of about
-    equal node count; a piece is never split, so a segment may hold more nodes than its share."""
-    pieces = separator_pieces(graph)
+    """Group the pieces between single-tensor cuts (`rkgraph.blocks.cut_pieces`) into
+    `segments` (default round(sqrt(n))) runs of about equal node count; a piece is never split,
+    so a segment may hold more nodes than its share."""
+    pieces = cut_pieces(graph)
     n = sum(len(p) for p in pieces)
     count = max(1, min(len(pieces), segments or round(math.sqrt(n))))
     result: list[list[str]] = [[]]

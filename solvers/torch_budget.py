@@ -28,9 +28,9 @@ import warnings
 from dataclasses import dataclass
 
 from rkgraph.graph import RematGraph
-from solvers.bounds import format_bytes
+from rkgraph.units import format_bytes
 from solvers.schedule import Schedule
-from solvers.simulate import InfeasibleBudget, schedule_from_computes
+from solvers.simulate import InfeasibleBudget, schedule_from_computes, to_recompute
 
 
 @dataclass
@@ -48,6 +48,8 @@ def partitioner_choice(graph: RematGraph, ratio: float) -> PartitionerChoice:
     from torch._functorch import config
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from rkgraph.capture import is_tangent
 
     joint = graph.joint
     # The partitioner rewrites the graph it is given; graph.joint must stay as captured.
@@ -75,7 +77,7 @@ def partitioner_choice(graph: RematGraph, ratio: float) -> PartitionerChoice:
     joint_nodes = {n.name: n for n in joint.module.graph.nodes}
     saved = []
     for p in backward.graph.find_nodes(op="placeholder"):
-        if p.name.startswith("tangents") or not isinstance(p.meta.get("val"), torch.Tensor):
+        if is_tangent(p) or not isinstance(p.meta.get("val"), torch.Tensor):
             continue  # tangents are not saved; symbolic sizes hold no memory
         if p.name not in joint_nodes:
             raise ValueError(f"the partitioner saves {p.name}, which is no node of the joint graph")
@@ -94,34 +96,22 @@ def computes_for_choice(graph: RematGraph, choice: PartitionerChoice) -> tuple[l
 
     storage_of = storage_map(graph.joint.module).storage_of
     saved = {storage_of[name] for name in choice.saved if name in storage_of}
-    tangents = {d for d, dn in graph.data.items() if dn.kind == "tangent"}
-    available = saved | set(graph.user_outputs) | tangents
+    handed = saved | set(graph.user_outputs) | set(graph.tangents)
+    # Random draws are never made again (nor does the partitioner remake them): those the
+    # backward needs and the partitioner did not save are kept from the forward.
+    drawn = {d for n in graph.forward_nodes if n.random for d in n.outputs}
+    available = handed | drawn
     computes = [n.name for n in graph.forward_nodes]
     recomputed: set[str] = set()
-    kept_random: list[str] = []
-
-    def needed_producers(data: list[str], found: set[str]) -> None:
-        for d in data:
-            if graph.is_source(d) or d in available:
-                continue
-            node = graph.node(graph.data[d].producer)
-            if node.random:
-                available.add(d)
-                kept_random.append(d)
-            elif node.name not in found:
-                found.add(node.name)
-                needed_producers(list(node.inputs), found)
-
+    kept_random: dict[str, None] = {}
     for node in graph.backward_nodes:
-        found: set[str] = set()
-        needed_producers(list(node.inputs), found)
-        for name in sorted(found, key=graph.index.__getitem__):
+        again = sorted(to_recompute(graph, node.inputs, available), key=graph.index.__getitem__)
+        for name in (*again, node.name):
+            kept_random.update((d, None) for d in graph.node(name).inputs if d in drawn and d not in handed)
             computes.append(name)
             available.update(graph.node(name).outputs)
-        recomputed |= found
-        computes.append(node.name)
-        available.update(node.outputs)
-    return computes, {"saved": len(saved), "recomputed_nodes": len(recomputed), "kept_random": kept_random}
+        recomputed.update(again)
+    return computes, {"saved": len(saved), "recomputed_nodes": len(recomputed), "kept_random": list(kept_random)}
 
 
 def _schedule_at(graph: RematGraph, ratio: float, budget: int | None) -> Schedule:

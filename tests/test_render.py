@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 import rkgraph
+from rkgraph.blocks import block_module
 from rkgraph.graph import RematGraph
-from rkgraph.render import _common_module, graph_dot
+from rkgraph.render import graph_dot
 from rockplan import zoo
 
 
@@ -39,7 +40,7 @@ def test_full_view_has_a_cluster_per_block_and_sized_edges(graph: RematGraph) ->
     for i, block in enumerate(graph.blocks):
         assert f"cluster_block_{i}" in source
         assert f"block {i} · class {graph.block_classes[i]}" in source
-        module = _common_module(graph.node(n).module for n in block) or "(top level)"
+        module = block_module(graph, block)
         assert f"class {graph.block_classes[i]}\n{module}" in source
     assert "cluster_backward" in source
     assert "4.0 KiB" in source  # a 64x16 float activation, large enough to be labelled

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rkgraph.blocks import backward_blocks
 from rkgraph.graph import RematGraph
-from rkgraph.partition import backward_blocks
 from solvers import (
     InfeasibleBudget,
     budget_bounds,

@@ -35,7 +35,7 @@ from solvers import (
 )
 from solvers.bounds import min_memory_schedule, time_lower_bound
 from solvers.ilp_model import CheckmateMilp, memory_unit, stages_of
-from solvers.simulate import schedule_from_computes
+from solvers.simulate import schedule_from_computes, to_recompute
 from tests.graph_factories import chain_graph, random_training_graph, training_graph
 
 BASELINES = [solve_store_all, solve_checkpoint_blocks, solve_sqrt_segments, solve_greedy_checkpoints]
@@ -205,6 +205,18 @@ def test_simulate_rejects_freeing_what_the_user_holds() -> None:
         simulate(graph, Schedule(_ops(*FORWARD, *BACKWARD), 2))
     s = solve_store_all(graph)
     assert "x1" not in [op.name for op in s.ops if op.kind == "free"]
+
+
+def test_to_recompute_remakes_missing_ancestors_once_in_running_order() -> None:
+    """b2 reads the tangent and x1: with x0 at hand, x1 is remade from it; with nothing at
+    hand, x0 first, and once though a later value asked for needs it too. Sources and
+    tangents need nothing."""
+    graph = training_graph([10] * 3)
+    b2 = graph.node("b2")
+    assert to_recompute(graph, b2.inputs, {"x0"}) == ["f1"]
+    assert to_recompute(graph, b2.inputs, set()) == ["f0", "f1"]
+    assert to_recompute(graph, ["x1", "x0", "x2"], {"x2"}) == ["f0", "f1"]
+    assert to_recompute(graph, ["input", "w0", "tangent"], set()) == []
 
 
 def test_simulate_counts_transients_tangents_and_replacements() -> None:

@@ -10,12 +10,14 @@ shapes, a position embedding): every block may read those, as it reads parameter
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 
 from rkgraph.graph import RematGraph
 
 
 def cut_points(graph: RematGraph) -> list[int]:
-    """Positions i (in graph.forward_nodes) after which exactly one activation crosses."""
+    """Positions i (in graph.forward_nodes) after which exactly one activation crosses: the
+    single-tensor cuts, where blocks end and where checkpointing a segment keeps one tensor."""
     forward = graph.forward_nodes
     position = {n.name: i for i, n in enumerate(forward)}
     last_forward_use: dict[str, int] = {}
@@ -32,6 +34,19 @@ def cut_points(graph: RematGraph) -> list[int]:
         if len(crossing) == 1:
             cuts.append(i)
     return cuts
+
+
+def cut_pieces(graph: RematGraph) -> list[list[str]]:
+    """The forward node names in graph order, cut after every one of `cut_points`: the finest
+    chain of blocks (graphs without blocks are grouped from these)."""
+    forward = [n.name for n in graph.forward_nodes]
+    pieces, start = [], 0
+    for cut in cut_points(graph):
+        pieces.append(forward[start : cut + 1])
+        start = cut + 1
+    if start < len(forward):
+        pieces.append(forward[start:])
+    return pieces
 
 
 def input_independent(graph: RematGraph) -> set[str]:
@@ -100,16 +115,39 @@ def backward_blocks(graph: RematGraph, blocks: list[list[str]] | None = None) ->
     return result
 
 
-def partition(graph: RematGraph) -> None:
-    """Fill graph.blocks, graph.block_classes and graph.backward_blocks."""
-    forward = [n.name for n in graph.forward_nodes]
-    blocks, start = [], 0
-    for cut in cut_points(graph):
-        blocks.append(forward[start : cut + 1])
-        start = cut + 1
-    if start < len(forward):
-        blocks.append(forward[start:])
+def block_of(graph: RematGraph) -> dict[str, int]:
+    """The block of each node in the graph's chain: forward nodes by graph.blocks, backward
+    nodes by graph.backward_blocks (the blocks the planners use); nodes outside it (a graph
+    not split yet) are absent."""
+    owner = {name: j for j, block in enumerate(graph.blocks) for name in block}
+    owner.update({name: j for j, block in enumerate(graph.backward_blocks) for name in block})
+    return owner
+
+
+def common_module(modules: Iterable[str]) -> str:
+    """Longest dotted prefix shared by the non-empty module paths (glue ops have none)."""
+    paths = [m.split(".") for m in modules if m]
+    if not paths:
+        return ""
+    prefix = paths[0]
+    for path in paths[1:]:
+        n = 0
+        while n < min(len(prefix), len(path)) and prefix[n] == path[n]:
+            n += 1
+        prefix = prefix[:n]
+    return ".".join(prefix)
+
+
+def block_module(graph: RematGraph, block: Iterable[str]) -> str:
+    """A name for a block a person recognises: the module path its nodes share, or
+    "(top level)". Only a label: which nodes a block holds is decided by data flow."""
+    return common_module(graph.node(n).module for n in block) or "(top level)"
+
+
+def split_into_blocks(graph: RematGraph) -> None:
+    """Cut the forward into a chain of blocks at `cut_points`: fill graph.blocks,
+    graph.block_classes and graph.backward_blocks."""
     classes: dict[str, int] = {}
-    graph.blocks = blocks
-    graph.block_classes = [classes.setdefault(_signature(graph, b), len(classes)) for b in blocks]
+    graph.blocks = cut_pieces(graph)
+    graph.block_classes = [classes.setdefault(_signature(graph, b), len(classes)) for b in graph.blocks]
     graph.backward_blocks = backward_blocks(graph)
