@@ -151,3 +151,23 @@ def split_into_blocks(graph: RematGraph) -> None:
     graph.blocks = cut_pieces(graph)
     graph.block_classes = [classes.setdefault(_signature(graph, b), len(classes)) for b in graph.blocks]
     graph.backward_blocks = backward_blocks(graph)
+
+
+def _prefix(graph: RematGraph, name: str) -> str:
+    """Grouping key: the top-level module, or for imported graphs the name's first word
+    (Keras names layers block1_conv1, block1_pool, ...)."""
+    module = graph.node(name).module
+    return module.split(".")[0] if module else name.split("_")[0]
+
+
+def derived_blocks(graph: RematGraph) -> list[list[str]]:
+    """Blocks for graphs that come without: the pieces between single-tensor cuts
+    (`rkgraph.blocks.cut_pieces`), merged while consecutive pieces belong to the same
+    top-level module (or name prefix)."""
+    blocks: list[list[str]] = []
+    for piece in cut_pieces(graph):
+        if blocks and _prefix(graph, blocks[-1][0]) == _prefix(graph, piece[0]):
+            blocks[-1].extend(piece)
+        else:
+            blocks.append(list(piece))
+    return blocks

@@ -26,12 +26,12 @@ from collections.abc import Sequence
 from rkgraph.graph import RematGraph
 from rkgraph.units import format_bytes
 from solvers.bounds import check_budget, time_lower_bound
+from solvers.chain import chain_blocks
 from solvers.dtr import solve_dtr
 from solvers.greedy_checkpoints import solve_greedy_checkpoints
 from solvers.ilp import solve_milp
 from solvers.peak_shaving import solve_peak_shaving
 from solvers.rockmate import chain_schedules
-from solvers.rotor import chain_blocks
 from solvers.saved_values import saved_values_attempts
 from solvers.schedule import Schedule
 from solvers.simulate import InfeasibleBudget

@@ -2,7 +2,7 @@
 
 A flat MILP over a whole model is quadratic in its size; a chain of identical blocks is not.
 So each distinct block (its forward nodes and the backward nodes that differentiate them, see
-`solvers.rotor.block_subgraph`) is solved with Checkmate's MILP for a small grid of budgets on
+`solvers.chain.block_subgraph`) is solved with Checkmate's MILP for a small grid of budgets on
 its peak and on what its forward keeps for its backward. Each solution is an option: a forward
 sequence, a backward sequence (with its recomputations) and the memory and time of both.
 Rotor's dynamic program then picks one option per block and the checkpointing between blocks.
@@ -18,9 +18,7 @@ import time
 from rkgraph.graph import RematGraph
 from rkgraph.units import format_bytes
 from solvers.bounds import memory_lower_bound
-from solvers.greedy_checkpoints import solve_greedy_checkpoints
-from solvers.ilp_model import CheckmateMilp, memory_unit
-from solvers.rotor import (
+from solvers.chain import (
     BlockOption,
     build_chain,
     measure,
@@ -28,6 +26,8 @@ from solvers.rotor import (
     store_all_option,
     undominated,
 )
+from solvers.greedy_checkpoints import solve_greedy_checkpoints
+from solvers.ilp_model import CheckmateMilp, memory_unit
 from solvers.schedule import Schedule
 from solvers.simulate import InfeasibleBudget
 

@@ -96,3 +96,31 @@ class Schedule:
     @classmethod
     def load(cls, path: str | Path) -> Schedule:
         return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def segment_recompute_order(graph: RematGraph, segments: list[list[str]]) -> list[str]:
+    """Compute order of 'checkpoint each segment': the forward once, then before each backward
+    node the recomputation of every segment holding a dropped value it reads."""
+    segment_of = {name: j for j, seg in enumerate(segments) for name in seg}
+    forward_readers: dict[str, set[int]] = {}
+    for node in graph.forward_nodes:
+        for d in node.inputs:
+            forward_readers.setdefault(d, set()).add(segment_of.get(node.name, -1))
+    # A value is dropped by its segment unless it leaves the segment (read by another segment
+    # or by an unsegmented node, or returned), or comes from a random node.
+    dropped: dict[str, int] = {}
+    for name, j in segment_of.items():
+        node = graph.node(name)
+        if node.random:
+            continue
+        for d in node.outputs:
+            if d not in graph.forward_outputs and forward_readers.get(d, set()) <= {j}:
+                dropped[d] = j
+    computes = [n.name for n in graph.forward_nodes]
+    recomputed: set[int] = set()
+    for node in graph.backward_nodes:
+        for j in sorted({dropped[d] for d in node.inputs if d in dropped} - recomputed):
+            computes.extend(name for name in segments[j] if not graph.node(name).random)
+            recomputed.add(j)
+        computes.append(node.name)
+    return computes

@@ -12,8 +12,7 @@ import time
 
 from rkgraph.blocks import cut_pieces
 from rkgraph.graph import RematGraph
-from solvers.checkpoint_blocks import segment_recompute_order
-from solvers.schedule import Schedule
+from solvers.schedule import Schedule, segment_recompute_order
 from solvers.simulate import fixed_schedule
 
 

@@ -22,8 +22,8 @@ from solvers import (
     solve_store_all,
 )
 from solvers.bounds import time_lower_bound
+from solvers.chain import build_chain, schedule_chain, store_all_option
 from solvers.rockmate import block_options
-from solvers.rotor import build_chain, schedule_chain, store_all_option
 from solvers.simulate import schedule_from_computes
 from tests.graph_factories import random_training_graph, training_graph
 
