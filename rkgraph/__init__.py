@@ -56,11 +56,10 @@ def profile_graph(
     same costs, and only the variant's own nodes are costed here. Unless `mode` is "estimate",
     they are timed in replays of `graph`, in their place in the step, and put on the
     reference's clock: scaled by the reference's time for the shared nodes over the replays',
-    so that the machine's speed while each was timed cancels (GPT's variant's store-all read
-    +3.8% and +9.0% without, +4.2% to +7.1% over four profiles with). Priced
-    instead as the reference's ops they replace, GPT's came out 3% of the step too cheap: the
-    attentions' forwards 28 ms against 36 in real steps, the masks' packing and unpacking 1.6
-    ms against 12.6. Their scratch is our ops' known one."""
+    so that the machine's speed while each was timed cancels (without it, profiles of the same
+    variant disagree more). Priced instead as the reference's ops they replace, they come out
+    too cheap: fused attentions and the packing and unpacking of masks take longer in a real
+    step than the ops they stand for. Their scratch is our ops' known one."""
     if reference is not None:
         _profile_variant(graph, joint, real_inputs, mode != "estimate", reference)
         return

@@ -218,10 +218,10 @@ def hoist_gradients(nodes: list[ComputeNode], data: dict[str, DataNode], gradien
 
     AOTAutograd orders a linear layer's backward as autograd does: the input's gradient, then
     the weight's. The weight's gradient is the last reader of the layer's input, so in that
-    order the input (GPT's GELU output, 6 MiB a layer) and the new input gradient are alive
-    together. Gradients are held to the step's end whenever they are made, so moving their op
-    earlier costs its outputs over the interval and frees the inputs it reads last as much
-    earlier: a move is taken only where that nets memory back (never for a bias gradient,
+    order the input (in a transformer's MLP, the GELU's output) and the new input gradient are
+    alive together. Gradients are held to the step's end whenever they are made, so moving
+    their op earlier costs its outputs over the interval and frees the inputs it reads last as
+    much earlier: a move is taken only where that nets memory back (never for a bias gradient,
     whose input the input gradient still reads). `held`: data never freed early (outputs)."""
     readers: dict[str, list[str]] = {}
     for n in nodes:

@@ -160,8 +160,8 @@ def _replays(
                 return super().run_node(n)
 
     # Planning may run inside AOTAutograd's trace, under its fake mode: there the kernels
-    # would run on fake tensors and the times would be dispatch overhead (a 20 ms convolution
-    # measured 0.6 ms). Leave the fake mode, so real kernels run.
+    # would run on fake tensors and the times would be dispatch overhead, a small fraction of
+    # the kernels' real times. Leave the fake mode, so real kernels run.
     if any(isinstance(t, FakeTensor) for t in inputs):
         raise ValueError("profiling needs real tensors, got fake ones")
     with preserved_rng(), torch.no_grad(), unset_fake_temporarily():
@@ -177,9 +177,8 @@ def measure_times(
 
     `inputs` are the joint graph's placeholders in order (primals, then tangents). Timing whole
     replays, not each op `repeats` times in a row, gives every op the cache state and fresh
-    allocations it meets in a step: on GPT, ops recomputed inside a real step ran 5-10% slower
-    than timed in place, warm. (A DTR plan at 0.35 on 4 profiles each: +28.8% to +32.5% timed
-    in order, +28.3% to +30.4% in place; the machine's noise is of the same size.)
+    allocations it meets in a step: ops recomputed inside a real step run slower than the same
+    ops timed in place, warm, many times in a row.
     """
     device = _device_of(inputs)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

@@ -26,7 +26,7 @@ Three ways of counting, chosen by ``method``:
   allocator's rounding of every block to a multiple of 512 bytes.
 - ``"profiler"`` (default on CPU): the CPU allocator's own allocation and free events, recorded
   by ``torch.profiler`` with ``profile_memory=True``. Like the CUDA allocator it sees every
-  allocation, kernels' scratch buffers (on CPU, 29% of a small ResNet's step peak) and
+  allocation, kernels' scratch buffers (on CPU, much of a convolutional network's step peak) and
   Inductor's generated code included, and it does not change how the code runs (under a
   dispatch mode ``torch.compile`` falls back to eager). Figures exist only once the block has
   exited; a free of memory allocated before the block is not counted. Exact requested bytes.
@@ -329,12 +329,12 @@ def steady_cpu_heap() -> bool:
     For timing CPU steps side by side. PyTorch's CPU allocator is glibc's malloc (no caching
     allocator on CPU). By default glibc returns the top of its heap to the system once more than
     twice its adaptive mmap threshold lies free there, and maps large blocks afresh, so a step
-    that follows one with a larger peak pays page faults for what it allocates. Measured on the
-    zoo's GPT: the same store-all schedule ran 827 ms right after eager's step and 780 ms two
-    places later, and eager 894 ms against 816 ms for a second copy; a round robin's order and
-    the process's history moved ratios by 10 points. With the thresholds fixed the copies ran
-    729-733 ms and eager 728 ms. The cost: the process keeps its heap's high-water mark. What
-    the allocator's events count, hence measured peaks, does not change.
+    that follows one with a larger peak pays page faults for what it allocates: a step's time
+    then depends on what ran before it, as much as the differences being timed (two copies of
+    one step, or the same schedule at two places of a round robin, disagree). With the
+    thresholds fixed, copies of a step run alike wherever they come. The cost: the process
+    keeps its heap's high-water mark. What the allocator's events count, hence measured peaks,
+    does not change.
     """
     name = ctypes.util.find_library("c")
     libc = ctypes.CDLL(name) if name else None

@@ -159,8 +159,9 @@ def _named(graph: RematGraph, name: str) -> str:
 
 
 # The closure MILPs: at most this many moments, in about this many seconds in all. Each has a
-# few hundred binaries: GPT at 0.35 of its peak, 8 take 0.3 s, and the tightest moment (the
-# loss's forward) ranks third by its knapsack.
+# few hundred binaries, so several fit in the time; several are needed, since the knapsacks
+# rank the moments only roughly (on a language model, the tightest, the loss's forward, need
+# not rank first).
 CLOSURE_STEPS = 8
 CLOSURE_TIME = 1.0
 

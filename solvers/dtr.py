@@ -213,9 +213,9 @@ class _DtrRun:
         dead = [d for d in self.resident if not (self.needed_later(d) or d in self.held
                                                   or (d in self.forward_outputs and not self.backward_phase))]
         # Random nodes' outputs last: whether one is still needed depends on which of the
-        # tensors between it and an evicted one go now (in set order, a random output was
-        # released while the tensor it alone could remake was still resident, then that
-        # tensor went too: DTR later recomputed the random node).
+        # tensors between it and an evicted one go now (in set order, a random output could be
+        # released while the tensor it alone can remake is still resident, then that tensor go
+        # too, and DTR would later recompute the random node).
         for d in sorted(dead, key=lambda d: self.once(self.producer(d))):
             if self.once(self.producer(d)) and self.still_needed_from(d):
                 continue
@@ -254,10 +254,10 @@ def solve_dtr(graph: RematGraph, budget: int | None = None, heuristic: Heuristic
     `heuristic`: "dtr" (cost with evicted neighbourhood / (memory * staleness)), "next_use",
     "lru" or "size". `keep_drawn`: never evict what a random op drew (dropout masks), as
     PyTorch's partitioner never recomputes one: the heuristic, blind to what a small tensor's
-    absence costs later, evicts GPT's masks and pays a redraw each (GPT at 0.35: +20.0%,
-    +13.6% keeping them). Raises InfeasibleBudget when an op cannot
-    fit even after evicting everything evictable (DTR has no lower bound to report: the floor
-    is where it fails).
+    absence costs later, evicts a language model's masks and pays a redraw for each, which can
+    cost more than keeping them. Raises InfeasibleBudget when an op cannot fit even after
+    evicting everything evictable (DTR has no lower bound to report: the floor is where it
+    fails).
     """
     if heuristic not in HEURISTICS:
         raise ValueError(f"unknown DTR heuristic {heuristic!r}; choose one of {HEURISTICS}")

@@ -65,7 +65,8 @@ def solve_milp(graph: RematGraph, budget: int, time_limit: float = 60, mip_rel_g
             log.info("warm start from %s (time %.4g)", schedule.solver, schedule.predicted_time)
             break
     # Without a schedule that fits, the MILP gets a second at least, whatever building it
-    # took; with one, only the limit's rest (building mobilenet's takes 1.3 s).
+    # took; with one, only the limit's rest (on a large graph, building the model takes a good
+    # part of a short limit).
     remaining = time_limit - (time.perf_counter() - start)
     result = model.solve(max(remaining, 0.01) if fitting else max(1.0, remaining), mip_rel_gap)
     log.info("MILP %s: %d binaries, objective %s, bound %s", result.status, result.binaries,

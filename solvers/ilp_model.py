@@ -49,8 +49,8 @@ def memory_unit(budget: int) -> int:
     return max(1, budget // MEMORY_UNITS)
 
 # Share of HiGHS's MIP effort spent in primal heuristics (default 0.05). The flat model's hard
-# part is finding good schedules, not bounds (benchmarks/data/checkmate-graphs/README.md): on unet at 0.42 of
-# the peak, 0.3 finds a 13% schedule in 60 s where the default stays at the warm start.
+# part is finding good schedules, not bounds (benchmarks/data/checkmate-graphs/README.md): with
+# more effort there HiGHS improves on warm starts that at the default it never leaves.
 HEURISTIC_EFFORT = 0.3
 
 

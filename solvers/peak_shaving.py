@@ -13,10 +13,9 @@ drop in turn is ruled out and the rest repaired again, while that finds a faster
 The same search also starts from DTR's schedule read as drops, and so improves on it.
 
 Where the budget is tight at a few backward steps (most budgets above half the peak) it finds
-what DTR, which evicts by a guess of future reuse, misses: on Checkmate's fcn8 at 0.70 of the
-peak +0.89% (DTR +3.04%, the proven floor +0.89%) in 0.5 s. Where it starts matters: at fcn8
-0.62 from DTR's schedule it stops at +3.04%, from checkpointing every block it reaches the
-floor, +2.908% (the MILP's optimum there replays as 33 drops, 4 of them at forward stages).
+what DTR, which evicts by a guess of future reuse, misses, at times reaching the proven
+floor itself. Where it starts matters: from DTR's schedule it can stop in a local optimum
+that the start from checkpointing every block, slower as it is, gets past.
 """
 
 from __future__ import annotations
@@ -36,9 +35,9 @@ from solvers.simulate import InfeasibleBudget, free_at_last_use, simulate, to_re
 NAME = "peak_shaving"
 
 # Candidates built and measured per step of the repair once one of them helps, in the order of
-# an estimate (recomputation time per byte of excess removed): on GPT-2 small (683 nodes) a step
-# has hundreds, each build taking about 20 ms. 4 finds the same schedules as 24 on Checkmate's
-# graphs but one (mobilenet at 0.50: +2.13% against +1.99%), 2-6 times sooner.
+# an estimate (recomputation time per byte of excess removed): on a large model a step has
+# hundreds, and each build replays the whole schedule. A short list finds the same schedules as
+# a long one on nearly every Checkmate graph, several times sooner.
 SHORTLIST = 4
 Drop = tuple[str, int]  # (data node, index of the node whose stage discards it)
 
@@ -114,7 +113,7 @@ class _Family:
         """Memory at each op (during a compute: its outputs and workspace included; after a
         free), as `simulate` counts it, and the total excess of the computes over the budget.
         A twin of `simulate`'s accounting, without its checks: a trial built through `simulate`
-        takes 40% longer, and only the schedule returned needs the referee."""
+        takes markedly longer, and only the schedule returned needs the referee."""
         graph = self.graph
         alive: set[str] = set()
         memory, values, excess = 0, [], 0
@@ -146,8 +145,8 @@ class _Family:
         build. Without it, the computes before stage r are the same and d is alive where it
         was absent, from its free to stage r's first op; what the recomputations at r read
         may be freed sooner (bounded by their total size); and if d's producer is recomputed
-        at r all the same (for another output) the schedule is unchanged, no faster. A third
-        of the undo attempts end here (random graphs; segnet at 0.70: 1.2 s -> 0.9 s)."""
+        at r all the same (for another output) the schedule is unchanged, no faster. Many undo
+        attempts end here, each a build spared."""
         d, r = drop
         graph, ops = self.graph, trial.schedule.ops
         if trial.stage_starts is None:
@@ -232,7 +231,7 @@ def _repair(family: _Family, trial: _Trial, deadline: float,
     """Add drops to `trial`'s, greedily, until the schedule fits; None if it cannot or time
     runs out. Each step measures candidates one by one, then takes the cheapest together with
     the next cheapest while their separate reductions of the excess add up to less than the
-    excess: one build instead of one step each (GPT-2 small needs dozens of small drops)."""
+    excess: one build instead of one step each (large models need many small drops)."""
     while trial.excess > 0:
         if time.perf_counter() > deadline:
             return None
@@ -340,9 +339,9 @@ def solve_peak_shaving(graph: RematGraph, budget: int, time_limit: float = 2.0, 
 
     The search starts from no drops and from each of `seeds` (schedules to improve on; by
     default DTR's), read as drops: from DTR's schedule it is a local search that only keeps
-    what is faster (GPT at 0.7, roofline costs: DTR +3.64%, improved to +3.22%; from no drops
-    +4.40%). Raises InfeasibleBudget when no start can be repaired to fit (the greedy repair
-    meets a dead end, or time runs out)."""
+    what is faster, and it can end faster than the search from no drops. Raises
+    InfeasibleBudget when no start can be repaired to fit (the greedy repair meets a dead end,
+    or time runs out)."""
     start = time.perf_counter()
     deadline = start + time_limit
     family = _Family(graph, budget)

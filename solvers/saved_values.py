@@ -19,10 +19,9 @@ to remake d, a recomputed op's workspace), so the schedule is built and replayed
 simulator, and M is lowered by the overshoot until it fits.
 
 PyTorch bounds the saved values' total by a ratio of its own estimate, which a caller bisects;
-this bounds the memory at every step, in bytes, and HiGHS solves it in a tenth of a second on
-GPT (345 nodes). GPT at 0.5 of its store-all peak, one measured profile: +7.74%, where
-PyTorch's partitioner reaches +7.8% (11 s) and DTR +8.8%; at 0.35, +12.8% against +14.4% and
-+13.6%. Peak shaving, whose family holds this one, starts from it (solvers/portfolio.py).
+this bounds the memory at every step, in bytes, and the model is small enough (a binary per
+value the backward reads and per forward node) that HiGHS solves it fast on whole models.
+Peak shaving, whose family holds this one, starts from it (solvers/portfolio.py).
 """
 
 from __future__ import annotations
@@ -167,8 +166,9 @@ def saved_values_attempts(graph: RematGraph, budget: int, time_limit: float = 5.
     solves the model with a memory limit per step (the budget at first) and replays its
     schedule; at each step that overshoots, the limit is lowered by as much (the model misses
     the recomputations' transient memory there). The attempts that overshoot are good starts
-    for peak shaving: on Checkmate's fcn8 at 0.70 the first is at the proven floor, +0.891%,
-    27 MB (0.3%) over; the third fits, at +1.588%; peak shaving repairs the first to +0.892%."""
+    for peak shaving: the first can meet the proven floor on time while only a little over
+    the budget, where the later attempt that fits is slower, and peak shaving repairs the first
+    to fit at almost no cost in time."""
     deadline = time.perf_counter() + time_limit
     family = _Family(graph)
     limits = [budget] * len(graph.nodes)
@@ -182,8 +182,8 @@ def saved_values_attempts(graph: RematGraph, budget: int, time_limit: float = 5.
         if not over or time.perf_counter() > deadline:
             break
         # Below what the model counted at t, not below the limit: where the model was under its
-        # limit, a limit lowered by the excess alone may not bind, and the same choice comes back
-        # (GPT at 0.5: five attempts 0.07 MiB over).
+        # limit, a limit lowered by the excess alone may not bind, and the same choice comes back,
+        # attempt after attempt, a little over.
         for t, excess in over.items():
             limits[t] = min(limits[t], family.modelled(t, saved)) - excess
     return found

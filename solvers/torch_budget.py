@@ -64,8 +64,9 @@ def partitioner_choice(graph: RematGraph, ratio: float) -> PartitionerChoice:
     # besides is small: on GPT, each layer's copy of the causal mask (ones, tril, where).
     # Our fused head (rkgraph.rewrites.linear_cross_entropy) is the head's forward and backward products
     # in one op: unmarked, the partitioner remakes it in the backward to spare its [V, E]
-    # output (GPT at 0.5: the whole head thrice again, +19.5% of the step), a trade the unfused
-    # graph never offered it. Saved too, so that it plans the graph it would have planned.
+    # output (all three of the head's products again, a large share of a language model's
+    # step), a trade the unfused graph never offered it. Saved too, so that it plans the graph
+    # it would have planned.
     from torch.utils.checkpoint import CheckpointPolicy
 
     for target in (torch.ops.rkgraph.dropout_mask.default, torch.ops.rkgraph.linear_cross_entropy.default):

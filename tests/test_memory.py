@@ -250,7 +250,7 @@ def test_profiler_measures_compiled_code_the_storage_count_cannot() -> None:
     (storages_all, allocator_all), (storages_half, allocator_half) = peaks(1.0), peaks(0.5)
     torch._dynamo.reset()
     assert storages_half == storages_all
-    assert allocator_half < 0.8 * allocator_all  # measured 0.57 (torch 2.13)
+    assert allocator_half < 0.8 * allocator_all  # well below in practice: the bound only shows the knob acted
 
 
 _RSS_AFTER_FREE = """

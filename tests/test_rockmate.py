@@ -127,8 +127,8 @@ def test_blocks_differing_only_in_measured_times_are_solved_once() -> None:
 
 def test_a_gradient_a_block_reads_last_counts_only_until_that_read() -> None:
     # Block 0's backward: b1 reads g2.x1 (40, made by block 1) and x0 (10), makes g1.x0 (10)
-    # and gw1 (30); g2.x1 dies; b0 makes gw0 (30). Peak at b1: 10 + 40 + 40 = 90. The chain
-    # used to charge the 40 through the whole backward: 40 + 70 (b0's 10 + 30 + 30) = 110.
+    # and gw1 (30); g2.x1 dies; b0 makes gw0 (30). Peak at b1: 10 + 40 + 40 = 90. Charged
+    # through the whole backward, the 40 would make it 40 + 70 (b0's 10 + 30 + 30) = 110.
     graph = training_graph([10, 10, 10, 10], [1.0] * 4, block_size=2, grad_sizes=[10, 10, 40, 10],
                            param_grad_size=30)
     graph.backward_blocks = backward_blocks(graph)

@@ -310,8 +310,8 @@ def test_the_time_floor_counts_the_inputs_of_what_is_made_again(monkeypatch: pyt
 @pytest.mark.parametrize(("seed", "fraction"), [(24, 0.5), (29, 0.1), (34, 0.5)])
 def test_the_milp_keeps_a_gradient_once_made(seed: int, fraction: float) -> None:
     # The MILP could drop a parameter gradient and make it again later, one byte less in its
-    # model than in the simulator, which keeps gradients once made: its schedule was refused
-    # (here: 1 byte over) and a baseline returned instead.
+    # model than in the simulator, which keeps gradients once made: its schedule would be
+    # refused (here: 1 byte over) and a baseline returned instead.
     graph = random_training_graph(seed)
     low, high = budget_bounds(graph).lower, solve_store_all(graph).predicted_peak
     budget = int(low + fraction * (high - low))
@@ -325,8 +325,8 @@ def test_the_milp_keeps_a_gradient_once_made(seed: int, fraction: float) -> None
 
 def test_a_dtr_schedule_recomputing_out_of_index_order_warm_starts_the_milp() -> None:
     # DTR recomputes on demand, in the order an op asks for its inputs; the MILP's stages run
-    # recomputations in index order. Before the stage form sorted them, such schedules (DTR's
-    # on GPT at 0.35 among them) could not start HiGHS, which then began from a far worse one.
+    # recomputations in index order. Unsorted, such schedules (common among DTR's on real
+    # models) could not start HiGHS, which would then begin from a far worse one.
     graph = random_training_graph(135, max_forward=8)
     low, high = budget_bounds(graph).lower, solve_store_all(graph).predicted_peak
     budget = int(low + 0.3 * (high - low))

@@ -2,9 +2,9 @@
 
 With dropout, `scaled_dot_product_attention` on CPU takes PyTorch's math path: the scores,
 their softmax and its dropout are [B, H, T, S] tensors, and its backward makes three more (the
-gradients of the dropped probabilities, of the probabilities and of the scores). At GPT's
-default size each is 6 MiB against 1.5 MiB for q, k or v, and a plan that keeps the softmax
-for the backward, or recomputes it there, holds 6 to 18 MiB per layer on their account.
+gradients of the dropped probabilities, of the probabilities and of the scores). Each is S/D
+times the size of q, k or v (S keys, D features a head), and a plan that keeps the softmax for
+the backward, or recomputes it there, holds one to three of them per layer on their account.
 
 `attention(q, kt, v, bias, mask, ...)` computes `bmm(dropout(softmax(bmm(q, kt) + bias)), v)`
 over a few heads at a time; `attention_backward` recomputes each chunk's probabilities and

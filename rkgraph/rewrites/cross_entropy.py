@@ -4,7 +4,7 @@
 `nll_loss_backward` (a gradient as large as the logits, zero but at each row's target) and
 `_log_softmax_backward_data` (the logits' gradient, another such tensor), with the log-softmax
 alive beside both: three logits-sized tensors at once, at the moment a language model's
-training step peaks (GPT with a vocabulary of 8,192: 3 x 32 MiB of a 115 MiB budget at 0.35).
+training step peaks (with a large vocabulary, most of a tight budget).
 `log_softmax_nll_backward` computes the same gradient, `grad_out - exp(log_probs) * rowsum(grad_out)`
 where `grad_out` has one nonzero per row, writing `exp(log_probs)` once and scaling it in place:
 two logits-sized tensors at that moment. Values equal the unfused ops' up to rounding (the

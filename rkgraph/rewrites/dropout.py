@@ -16,11 +16,12 @@ graphs are left as they are, and so are float16 and bfloat16 ones (see `_splitta
 
 The application is also the backward's op (`native_dropout_backward(grad, mask, scale)`, the
 same product), and on CPU ATen's kernel makes it as `grad * (mask * scale)`: a float copy of
-the mask as large as its output, alive beside it. At GPT's attention dropout that is 6 MiB at
-the moments a plan at 0.35 peaks. `apply_dropout_mask` multiplies a slice at a time into the
-output and scales it in place: the same bits (the mask's product is exact, the scaling rounds
-once either way), one slice of scratch, and on CPU a little faster than ATen's kernel. Every
-CPU float32/float64 `native_dropout_backward` of the graph is replaced by it.
+the mask as large as its output, alive beside it; after attention's dropout that is a copy
+as large as the probabilities, at the moments a tight plan peaks. `apply_dropout_mask`
+multiplies a slice at a time into the output and scales it in place: the same bits (the
+mask's product is exact, the scaling rounds once either way), one slice of scratch, and on
+CPU a little faster than ATen's kernel. Every CPU float32/float64 `native_dropout_backward`
+of the graph is replaced by it.
 """
 
 from __future__ import annotations

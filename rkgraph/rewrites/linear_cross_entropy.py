@@ -1,15 +1,15 @@
 """Fuse a language model's head and its cross-entropy so the logits never exist whole.
 
 A head `logits = x @ wt` (`x` [M, E], `wt` [E, V]) followed by the cross-entropy of some of
-its rows (GPT's loss drops each sequence's last position: a slice and a copy) holds two
-logits-sized tensors in the forward (the logits and their log-softmax, or the slice's copy)
-and two in the backward (the log-softmax and the logits' gradient): GPT's default with a
-vocabulary of 8,192 spends 64 MiB of its 104 MiB budget at 0.35 on them, whatever is
-recomputed. `linear_cross_entropy` computes, 256 rows at a time, the logits, the rows' loss
-and the gradients of `x` and `wt` (for a loss gradient of one), in the forward; the backward
-scales the two by the loss's actual gradient. That is Liger-Kernel's fused linear
-cross-entropy: the same products as the unfused head's forward and backward, one chunk of
-logits alive at a time, and no logits saved for the backward.
+its rows (a next-token loss drops each sequence's last position: a slice and a copy) holds
+two logits-sized tensors in the forward (the logits and their log-softmax, or the slice's
+copy) and two in the backward (the log-softmax and the logits' gradient): with a large
+vocabulary, much of a tight budget, whatever is recomputed. `linear_cross_entropy`
+computes, 256 rows at a time, the logits, the rows' loss and the gradients of `x` and `wt`
+(for a loss gradient of one), in the forward; the backward scales the two by the loss's
+actual gradient. That is Liger-Kernel's fused linear cross-entropy: the same products as the
+unfused head's forward and backward, one chunk of logits alive at a time, and no logits saved
+for the backward.
 
 Only scalar losses (mean or sum), no class weights, float32/float64 logits: the backward's
 scaling needs one number, and reduced precision would round the chunks' log-softmax otherwise
@@ -36,7 +36,7 @@ aten = torch.ops.aten
 
 # Rows per chunk. On CPU the gradient of `wt` accumulates one product per chunk, and with
 # fewer rows its reduction dimension gets short and the op slower than the unfused ones; more
-# rows hold more logits at once (256 rows: 8 MiB of GPT's logits).
+# rows hold more logits at once.
 CHUNK_ROWS = 256
 
 
@@ -250,7 +250,7 @@ def _sink(scaled: fx.Node) -> None:
     their first other user (the tied embedding's gradient sum, or the output). The unit
     gradient is held until then instead of the scaled one, the same bytes; but the moment
     both exist moves from the backward's start, where every saved activation is alive
-    (GPT: two [V, E] of 12 MiB at the step's peak), to its end, where few are."""
+    (in a language model, the step's peak), to its end, where few are."""
     moved = [scaled]
     while (view := only_user(moved[-1])) is not None and is_view(view):
         moved.append(view)

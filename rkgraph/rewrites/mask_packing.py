@@ -1,7 +1,7 @@
 """Masks the backward reads kept packed, eight to a byte, from their draw to their use.
 
 A dropout mask the backward reads is one byte per element held from its draw to its use.
-Kept as bits it is an eighth of that (GPT's attention dropout: 1.5 MiB -> 192 KiB a layer):
+Kept as bits it is an eighth of that:
 `pack_mask` after the draw, `unpack_mask` where the backward first needs it. Packing and
 unpacking cost time in every step, and the backward's readers read the unpacked copy, so it
 pays only under budgets that force recomputation: it makes a variant of the graph

@@ -2,10 +2,10 @@
 
 In a linear layer followed by a GELU, the backward makes the gradient of the GELU's output with
 a product, `g = mm(grad_out, w)`, that only `gelu_backward(g, h)` reads; the two are alive at
-once, with `h`: on GPT's MLP three [rows, 4 * width] tensors (18 MiB at the default size), the
-moments a plan at 0.35 peaks. `mm_gelu_backward(a, b, h)` makes the product and applies GELU's
-backward to it in place: the same kernels on the same values, so the same bits (an
-elementwise kernel writing over its input), and one of the three tensors less. It costs
+once, with `h`: in a transformer's MLP three [rows, 4 * width] tensors, at the moments a tight
+plan peaks. `mm_gelu_backward(a, b, h)` makes the product and applies GELU's backward to it in
+place: the same kernels on the same values, so the same bits (an elementwise kernel writing
+over its input), and one of the three tensors less. It costs
 nothing, so it is a rewrite of the captured graph, not a variant.
 """
 
