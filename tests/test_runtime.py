@@ -164,7 +164,7 @@ def test_new_input_shape_replans_or_errors() -> None:
     bigger = torch.randn(x.shape[0] * 2, *x.shape[1:])
     out = rk(bigger)
     assert out.shape[0] == bigger.shape[0]
-    assert len(rk._plans) == 2
+    assert len(rk._steps) == 2
     strict = Rockmate(model, (args, kwargs), 1.0, solver="store_all", on_new_input="error")
     with pytest.raises(ValueError, match="differs from the planned sample"):
         strict(bigger)
