@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib.util
+import math
 
 import pytest
 import torch
@@ -15,7 +16,8 @@ from rockplan import zoo
 from rockplan.memory import measure_step
 from rockplan.plan_file import read_plan
 from rockplan.runtime import Rockmate
-from solvers import InfeasibleBudget, min_feasible_budget
+from solvers import InfeasibleBudget, min_feasible_budget, simulate
+from solvers.simulate import freed_with, released_inside
 
 MODELS = [name for name in zoo.ZOO if name != "hf_gpt2" or importlib.util.find_spec("transformers")]
 SOLVER_OPTIONS = {"time_limit": 10}
@@ -86,6 +88,40 @@ def test_allocator_peak_is_the_prediction_to_the_byte(name: str, budget: float, 
     predicted = rk.schedule.predicted_peak
     assert 0.99 * predicted <= measured <= predicted + rk.reserved, (measured, predicted, rk.reserved)
     assert measured <= rk.budget
+
+
+class _TanhGelu(torch.nn.Module):
+    """GELU's tanh approximation in Python pointwise ops, as HF's GPT-2 writes it: a chain whose
+    first op reads the layer's output for the last time and whose next ops allocate temporaries."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def test_inputs_that_die_inside_a_recomputed_chain_are_not_counted_under_its_temporaries() -> None:
+    """A pointwise chain recomputed in the backward whose inputs die at its first op: the
+    generated code drops them there, so the chain's temporaries do not sit on top of them.
+    Counted on top (HF GPT-2's GELU: 262,144 bytes over the measured peak, a failure of the
+    test above on some measured profiles), the prediction overstated this plan's peak; it is
+    the allocator's peak to the byte."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), _TanhGelu(), torch.nn.Linear(64, 64), _TanhGelu(),
+                                torch.nn.Linear(64, 4))
+    args, kwargs = (torch.randn(256, 16),), {}
+    rk = Rockmate(model, (args, kwargs), 0.6, solver="dtr")
+    graph, schedule = rk.graph, rk.schedule
+    end = len(schedule.ops)
+    released = [op.name for i, op in enumerate(schedule.ops) if i >= schedule.forward_length and op.kind == "compute"
+                and released_inside(graph, graph.node(op.name), freed_with(schedule.ops, i, end)) > 0]
+    assert released and all(not graph.node(name).backward for name in released)  # forward chains, recomputed
+    inputs_held = copy.deepcopy(graph)
+    for node in inputs_held.nodes:
+        node.releases = ()
+    assert simulate(inputs_held, schedule).peak > schedule.predicted_peak  # the case sets the peak
+    _step(rk, args, kwargs)  # warm-up
+    rk.zero_grad(set_to_none=True)
+    assert rk.reserved == 0
+    assert measure_step(_step, rk, args, kwargs, method="profiler").peak == schedule.predicted_peak
 
 
 # Saved values not on ResNet: at 0.7 its family fits only on some measured profiles (kernels'
