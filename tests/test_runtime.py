@@ -378,6 +378,7 @@ def _(x: torch.Tensor) -> torch.Tensor:
 _counted.register_autograd(lambda ctx, grad: grad * 2)
 
 
+@pytest.mark.measures_time
 def test_measured_profile_runs_real_kernels() -> None:
     """Planning runs inside AOTAutograd's fake trace; profile="measure" must still time real
     kernels. It once timed fake ones: a 20 ms convolution was profiled at 0.6 ms."""
