@@ -39,7 +39,8 @@ from solvers.simulate import schedule_from_computes
 from tests.graph_factories import chain_graph, random_training_graph, training_graph
 
 BASELINES = [solve_store_all, solve_checkpoint_blocks, solve_sqrt_segments, solve_greedy_checkpoints]
-FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# The same examples on every run (derandomize): a property test must not fail by the draw on CI.
+FAST = settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
 
 def computes(schedule: Schedule) -> list[str]:
@@ -380,7 +381,12 @@ def test_peak_shaving_is_valid_above_the_floor_and_store_all_when_it_fits(seed: 
     try:
         s = solve_peak_shaving(graph, budget, time_limit=5)
     except InfeasibleBudget:
-        return  # a forward peak it cannot lower, or a greedy dead end
+        # A forward peak it cannot lower, or a greedy dead end: never where store-all fits, nor
+        # where DTR's schedule does (the search starts from it, read as drops).
+        assert budget < store_all.predicted_peak
+        with pytest.raises(InfeasibleBudget):
+            solve_dtr(graph, budget)
+        return
     assert simulate(graph, s, budget).peak == s.predicted_peak <= budget
     assert time_lower_bound(graph, budget)[0] <= s.predicted_time + 1e-9
     if fraction == 1:
