@@ -175,7 +175,7 @@ def build_graph(joint: JointGraph, name: str = "", replay_rng: bool = True) -> R
     # 3. Compute nodes with exact output sizes and the workspace of their internal temporaries.
     nodes: list[ComputeNode] = []
     for group in groups:
-        outs, inputs, workspace = _group_dataflow(group, storages, escaping)
+        outs, inputs, workspace, releases = _group_dataflow(group, storages, escaping)
         head = group.head
         draws = [n for n in group.ops if is_random(n)]
         draws_random = bool(draws)
@@ -193,6 +193,7 @@ def build_graph(joint: JointGraph, name: str = "", replay_rng: bool = True) -> R
             module=head.meta.get("custom", {}).get("module", ""),
             op=str(head.target),
             fx_nodes=tuple(n.name for n in group.ops),
+            releases=_freeable_releases(releases, data),
         ))
 
     def storages_of(values: list) -> tuple[str, ...]:
@@ -244,8 +245,23 @@ def hoist_gradients(nodes: list[ComputeNode], data: dict[str, DataNode], gradien
     return order
 
 
+def _freeable_releases(releases: list[tuple[tuple[str, ...], int]],
+                       data: dict[str, DataNode]) -> tuple[tuple[tuple[str, ...], int], ...]:
+    """`ComputeNode.releases`: of the inputs read for the last time, only those a schedule can
+    free (not sources, not tangents); empty when none dies before the node's last op."""
+    kept: list[tuple[tuple[str, ...], int]] = []
+    for read, bytes_after in releases:
+        read = tuple(d for d in read if data[d].kind not in SOURCE_KINDS and data[d].kind != "tangent")
+        if kept and kept[-1][0] == read:
+            kept[-1] = (read, max(kept[-1][1], bytes_after))
+        else:
+            kept.append((read, bytes_after))
+    return tuple(kept) if len(kept) > 1 else ()
+
+
 def _group_dataflow(group: _Group, storages: StorageMap, escaping: set[str]):
-    """Outputs, inputs and workspace of a group, by replaying its ops with frees at last use."""
+    """Outputs, inputs and workspace of a group, by replaying its ops with frees at last use;
+    and the peaks of its allocations after inputs are read for the last time (`releases`)."""
     members = {n.name for n in group.ops}
     allocated: list[str] = []
     inputs: list[str] = []
@@ -265,6 +281,8 @@ def _group_dataflow(group: _Group, storages: StorageMap, escaping: set[str]):
             last_use[storages.of(a)] = i
     live, peak = 0, 0
     alive: dict[str, int] = {}
+    # (inputs read for the last time before an op, the peak of the group's allocations from it on)
+    releases: list[tuple[tuple[str, ...], int]] = []
     for i, n in enumerate(group.ops):
         if n.target is operator.getitem:
             continue
@@ -272,6 +290,11 @@ def _group_dataflow(group: _Group, storages: StorageMap, escaping: set[str]):
         new = [_tensor_bytes(v) for v in val] if isinstance(val, (tuple, list)) else [_tensor_bytes(val)]
         live += sum(new)
         peak = max(peak, live)
+        read = tuple(s for s in inputs if last_use[s] < i)
+        if releases and releases[-1][0] == read:
+            releases[-1] = (read, max(releases[-1][1], live))
+        else:
+            releases.append((read, live))
         if isinstance(val, (tuple, list)):
             kept = {u.args[1]: u.name for u in n.users if u.target is operator.getitem}
             for idx, size in enumerate(new):
@@ -285,4 +308,4 @@ def _group_dataflow(group: _Group, storages: StorageMap, escaping: set[str]):
             if s not in escaping and last_use.get(s, -1) <= i:
                 live -= alive.pop(s)
     out_bytes = sum(alive.get(s, 0) for s in outs)
-    return outs, inputs, max(0, peak - out_bytes)
+    return outs, inputs, max(0, peak - out_bytes), releases

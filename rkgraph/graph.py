@@ -10,7 +10,9 @@ Memory semantics, shared by the simulator and every solver:
   alive before the step and never counted.
 - Tangents (gradients of the forward outputs, handed in by the loss) appear at the start of
   the backward phase and are counted from then on.
-- Computing a node allocates all its outputs plus `workspace` bytes for the duration of the op.
+- Computing a node allocates all its outputs plus `workspace` bytes for the duration of the op;
+  inputs that the schedule frees right after it and that its later ops no longer read are gone
+  while those run (`ComputeNode.releases`).
 - `forward_outputs` must be alive at the end of the forward phase (they are returned to the
   user); `backward_outputs` (gradients) must be alive at the end of the backward phase.
 - A node flagged `random` may be computed once only (recomputing it would draw a new mask).
@@ -60,6 +62,12 @@ class ComputeNode:
     module: str = ""  # module path in the user's model, "" when unknown
     op: str = ""  # main ATen op, e.g. "aten.mm.default"
     fx_nodes: tuple[str, ...] = ()  # names of the fx nodes of the joint graph in this group
+    # A group whose ops after the first no longer read some inputs: in order, (the inputs read
+    # for the last time so far, the peak of the node's own allocations from there on), from
+    # ((), ...) with every input alive; empty when no input is read for the last time before
+    # the peak. Inputs a schedule frees right after the node die inside it, under what it
+    # allocates later (`solvers.simulate.released_inside`).
+    releases: tuple[tuple[tuple[str, ...], int], ...] = ()
 
 
 @dataclass

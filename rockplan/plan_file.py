@@ -145,6 +145,7 @@ def plan_document(graph: RematGraph, schedule: Schedule, reference: tuple[int, f
             "name": n.name, "phase": "backward" if n.backward else "forward", "op": n.op, "module": n.module,
             "inputs": list(n.inputs), "outputs": list(n.outputs), "time": n.time, "workspace": n.workspace,
             "random": n.random, "rng": n.rng, "rng_state": n.rng_state, "fx_nodes": list(n.fx_nodes),
+            "releases": [[list(read), after] for read, after in n.releases],
             "computed": decisions.computed[n.name], "recomputed": decisions.recomputations(n.name),
         })
     data = [{"name": d.name, "kind": d.kind, "size": d.size, "producer": d.producer, "mutated": d.mutated,
@@ -208,7 +209,8 @@ def _graph_from_document(obj: dict[str, Any]) -> RematGraph:
     nodes = [ComputeNode(name=n["name"], inputs=tuple(n["inputs"]), outputs=tuple(n["outputs"]),
                          backward=n["phase"] == "backward", time=n["time"], workspace=n["workspace"],
                          random=n["random"], rng=n["rng"], rng_state=n["rng_state"], module=n["module"], op=n["op"],
-                         fx_nodes=tuple(n["fx_nodes"]))
+                         fx_nodes=tuple(n["fx_nodes"]),
+                         releases=tuple((tuple(read), after) for read, after in n.get("releases", ())))
              for n in obj["nodes"]]
     data = {d["name"]: DataNode(d["name"], d["size"], d["kind"], d["producer"], d["mutated"]) for d in obj["data"]}
     graph = RematGraph(nodes, data, tuple(obj["forward_outputs"]), tuple(obj["backward_outputs"]), obj["name"],

@@ -2,7 +2,8 @@
 
 Lower bound (sound: no schedule of any solver can peak below it):
 - every node that a required output depends on runs at least once, and while it runs its
-  non-source inputs, all its outputs and its workspace are allocated at the same time, and so
+  non-source inputs, all its outputs and its workspace are allocated at the same time (less
+  what inputs read for the last time early may free inside it, `ComputeNode.releases`), and so
   are the backward outputs its ancestors made: they were made before it and are never freed
   (the parameter gradients of a whole model, at its last backward nodes);
 - at the phase boundary the forward outputs are alive and the tangents appear;
@@ -29,7 +30,7 @@ from rkgraph.units import format_bytes
 from solvers.checkpoint_blocks import solve_checkpoint_blocks
 from solvers.ilp_model import MilpBuilder
 from solvers.schedule import Schedule
-from solvers.simulate import InfeasibleBudget, schedule_from_computes, to_recompute
+from solvers.simulate import InfeasibleBudget, released_inside, schedule_from_computes, to_recompute
 from solvers.sqrt_segments import solve_sqrt_segments
 from solvers.store_all import solve_store_all
 
@@ -72,7 +73,9 @@ def _step_floors(graph: RematGraph, ancestors: list[int]) -> dict[str, tuple[int
         reason = f"node {name} needs its inputs, outputs and workspace at once"
         if set(alive) - {*node.inputs, *node.outputs}:
             reason += ", while the tangents, the user's outputs and the gradients made before it are held"
-        floors[name] = (_size(graph, alive) + node.workspace, alive, reason)
+        # Inputs it reads for the last time before its last op may die inside it, if freed.
+        freeable = set(node.inputs) - {*held, *before, *graph.tangents, *graph.backward_outputs}
+        floors[name] = (_size(graph, alive) + node.workspace - released_inside(graph, node, freeable), alive, reason)
     return floors
 
 

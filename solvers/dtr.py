@@ -33,7 +33,7 @@ from typing import Literal
 from rkgraph.graph import ComputeNode, RematGraph
 from rkgraph.units import format_bytes
 from solvers.schedule import Schedule
-from solvers.simulate import InfeasibleBudget, schedule_from_computes
+from solvers.simulate import InfeasibleBudget, released_inside, schedule_from_computes
 
 Heuristic = Literal["dtr", "next_use", "lru", "size"]
 HEURISTICS: tuple[Heuristic, ...] = ("dtr", "next_use", "lru", "size")
@@ -184,15 +184,18 @@ class _DtrRun:
 
     # --- running ops --------------------------------------------------------------------------
 
-    def run(self, node: ComputeNode) -> None:
-        """Compute `node`, first recomputing its absent inputs (recursively)."""
+    def run(self, node: ComputeNode, program: bool = False) -> None:
+        """Compute `node`, first recomputing its absent inputs (recursively); `program`: the
+        program's op at `position`, not a recomputation."""
         self.pins.update(node.inputs)
         for d in node.inputs:
             if not self.graph.is_source(d) and d not in self.resident:
                 self.run(self.producer(d))
         outputs = sum(self.graph.data[d].size for d in node.outputs)
-        # The simulator charges every output, even one still resident, while the op runs.
-        self.make_room(outputs + node.workspace, node.name)
+        # The simulator charges every output, even one still resident, while the op runs; less
+        # what inputs read for the last time die inside it (freed right after it).
+        released = released_inside(self.graph, node, self.dying(node)) if program and node.releases else 0
+        self.make_room(outputs + node.workspace - released, node.name)
         step = len(self.computes)
         self.computes.append(node.name)
         for d in node.outputs:
@@ -204,6 +207,13 @@ class _DtrRun:
         for d in node.inputs:
             self.last_access[d] = step
         self.pins.subtract(node.inputs)
+
+    def dying(self, node: ComputeNode) -> set[str]:
+        """Inputs of the program's op `node` that `release_dead` drops right after it, which
+        `free_at_last_use` frees right after it too (the schedule reads them no more before
+        computing them again)."""
+        return {d for d in node.inputs if d in self.resident and not self.needed_later(d) and d not in self.held
+                and not (d in self.forward_outputs and not self.backward_phase) and not self.once(self.producer(d))}
 
     def release_dead(self) -> None:
         """Drop what the program will never read again (DTR frees a tensor when its last
@@ -239,7 +249,7 @@ class _DtrRun:
                 emitted_forward = len(self.computes)
                 self.enter_backward()
             self.position = p
-            self.run(node)
+            self.run(node, program=True)
             self.release_dead()
         if not self.backward_phase:  # no backward node: the boundary is the end
             emitted_forward = len(self.computes)

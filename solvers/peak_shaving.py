@@ -30,7 +30,7 @@ from rkgraph.graph import RematGraph
 from rkgraph.units import format_bytes
 from solvers.dtr import solve_dtr
 from solvers.schedule import Op, Schedule
-from solvers.simulate import InfeasibleBudget, free_at_last_use, simulate, to_recompute
+from solvers.simulate import InfeasibleBudget, free_at_last_use, freed_with, released_inside, simulate, to_recompute
 
 NAME = "peak_shaving"
 
@@ -125,7 +125,11 @@ class _Family:
                 values.append(memory)  # the phase boundary, counted with the first backward op
             if op.kind == "compute":
                 value = memory + self.step_bytes[op.name]
-                for d in graph.node(op.name).outputs:
+                node = graph.node(op.name)
+                if node.releases:
+                    stop = schedule.forward_length if i < schedule.forward_length else len(schedule.ops)
+                    value -= released_inside(graph, node, freed_with(schedule.ops, i, stop))
+                for d in node.outputs:
                     if d not in alive:
                         alive.add(d)
                         memory += graph.data[d].size

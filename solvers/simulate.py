@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Collection, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from rkgraph.graph import RematGraph
+from rkgraph.graph import ComputeNode, RematGraph
 from rkgraph.units import format_bytes
 from solvers.schedule import Op, Schedule
 
@@ -117,6 +117,30 @@ def _held_by_code(graph: RematGraph, schedule: Schedule) -> _HeldByCode | None:
     return held
 
 
+def released_inside(graph: RematGraph, node: ComputeNode, freed: Collection[str]) -> int:
+    """Bytes by which `node` peaks below its outputs plus workspace when the inputs `freed`
+    die inside it: the generated code drops a value at its last use, so an input the node
+    reads for the last time before its last op is gone while it allocates the rest (a GELU
+    chain recomputed in the backward: its input dies at the first op, under the temporaries
+    of the next ones). Kernels' scratch in the workspace is unchanged."""
+    if not node.releases or not freed:
+        return 0
+    peak = max(after for _, after in node.releases)
+    return peak - max(after - sum(graph.data[d].size for d in read if d in freed)
+                      for read, after in node.releases)
+
+
+def freed_with(ops: Sequence[Op], at: int, stop: int) -> list[str]:
+    """The data freed right after `ops[at]`, before the next compute and before `stop` (the end
+    of its phase): for a compute, the inputs it is the last reader of."""
+    freed = []
+    j = at + 1
+    while j < stop and ops[j].kind == "free":
+        freed.append(ops[j].name)
+        j += 1
+    return freed
+
+
 def simulate(graph: RematGraph, schedule: Schedule, budget: int | None = None) -> SimulationResult:
     """Replay `schedule`; raise InvalidSchedule naming the first bad op and why.
 
@@ -178,11 +202,14 @@ def simulate(graph: RematGraph, schedule: Schedule, budget: int | None = None) -
                 if d not in alive:
                     raise fail(where, f"input {d} is not alive")
             outputs = set(node.outputs)
-            transient = node.workspace
+            transient = sum(graph.data[d].size for d in outputs) + node.workspace
+            if node.releases:
+                stop = schedule.forward_length if i < schedule.forward_length else len(schedule.ops)
+                transient -= released_inside(graph, node, freed_with(schedule.ops, i, stop))
             if held is not None:
                 memory += held.before.get(i, 0)
                 transient += held.during.get(i, 0)
-            note_peak(memory + sum(graph.data[d].size for d in outputs) + transient, where)
+            note_peak(memory + transient, where)
             # An output that is already alive is replaced by the new value, not stored twice.
             for d in outputs - alive:
                 memory += graph.data[d].size

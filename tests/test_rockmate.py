@@ -27,7 +27,8 @@ from solvers.rockmate import block_options
 from solvers.simulate import schedule_from_computes
 from tests.graph_factories import random_training_graph, training_graph
 
-FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# The same examples on every run (derandomize): a property test must not fail by the draw on CI.
+FAST = settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
 
 def blocked_chain(sizes: list[int], times: list[float], block_size: int, **kw: object) -> RematGraph:
@@ -203,9 +204,13 @@ def test_rockmate_is_valid_and_no_slower_than_baselines(seed: int, fraction: flo
 @given(seed=st.integers(0, 10_000), fraction=st.floats(0.3, 1.0))
 def test_rotor_is_valid_or_says_infeasible(seed: int, fraction: float) -> None:
     graph = random_training_graph(seed, max_forward=7)
-    budget = int(fraction * solve_store_all(graph).predicted_peak)
+    store_all = solve_store_all(graph)
+    budget = int(fraction * store_all.predicted_peak)
     try:
         s = solve_rotor(graph, budget)
     except InfeasibleBudget:
+        # Its chain's plans include keeping every block and checkpointing every block: a
+        # refusal is right only below both.
+        assert budget < min(store_all.predicted_peak, solve_checkpoint_blocks(graph).predicted_peak)
         return
     assert simulate(graph, s, budget).peak == s.predicted_peak <= budget

@@ -39,7 +39,8 @@ from solvers.simulate import schedule_from_computes, to_recompute
 from tests.graph_factories import chain_graph, random_training_graph, training_graph
 
 BASELINES = [solve_store_all, solve_checkpoint_blocks, solve_sqrt_segments, solve_greedy_checkpoints]
-FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# The same examples on every run (derandomize): a property test must not fail by the draw on CI.
+FAST = settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
 
 def computes(schedule: Schedule) -> list[str]:
@@ -230,6 +231,22 @@ def test_simulate_counts_transients_tangents_and_replacements() -> None:
     assert result.peak == 61 and result.recompute_counts == {"f0": 1}
 
 
+def test_an_input_freed_right_after_a_node_is_gone_under_what_its_later_ops_allocate() -> None:
+    """f1 is a chain: its first op reads x0 and makes a 10-byte temporary; its later ops, which
+    no longer read x0, allocate up to 110 bytes (its output 10 among them: workspace 100).
+    Where the schedule frees x0 right after f1, the generated code drops x0 inside f1, at its
+    last read: f1 peaks at 110 beside nothing, not 120 on top of x0."""
+    graph = training_graph([10, 10], workspaces=[0, 100])
+    graph.node("f1").releases = (((), 10), (("x0",), 110))
+    kept = solve_store_all(graph)  # b1 reads x0: kept across f1
+    assert ("free", "x0") not in kept.forward_ops and kept.predicted_peak == 10 + 10 + 100
+    dropped = Schedule(_ops("+f0", "+f1", "-x0", "+f0", "+b1", "-x0", "-x1", "+b0"), 3)
+    assert simulate(graph, dropped, 110).peak == 110  # within budget at the step, to the byte
+    assert simulate(graph, dropped).curve[:3] == [10, 20, 10]
+    # The floor counts the step as it can be at best: x0 freed inside f1.
+    assert budget_bounds(graph).lower == 110
+
+
 def test_free_at_last_use_keeps_boundary_data_and_drops_useless_work() -> None:
     graph = chain_graph(2)
     ops, forward_length = free_at_last_use(graph, ["f0", "f0", "f1", "b1", "b0"], 3)
@@ -378,7 +395,12 @@ def test_peak_shaving_is_valid_above_the_floor_and_store_all_when_it_fits(seed: 
     try:
         s = solve_peak_shaving(graph, budget, time_limit=5)
     except InfeasibleBudget:
-        return  # a forward peak it cannot lower, or a greedy dead end
+        # A forward peak it cannot lower, or a greedy dead end: never where store-all fits, nor
+        # where DTR's schedule does (the search starts from it, read as drops).
+        assert budget < store_all.predicted_peak
+        with pytest.raises(InfeasibleBudget):
+            solve_dtr(graph, budget)
+        return
     assert simulate(graph, s, budget).peak == s.predicted_peak <= budget
     assert time_lower_bound(graph, budget)[0] <= s.predicted_time + 1e-9
     if fraction == 1:

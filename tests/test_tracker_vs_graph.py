@@ -4,9 +4,12 @@ The requirement: for each zoo model, the peak the tracker measures for an eager 
 then backward from ones over the outputs) is within 5% of `simulate(graph, store_all)`. The
 tracker is the CPU allocator's (every allocation, kernels' scratch included) and the graph's
 costs are measured, so node workspaces hold the scratch kernels allocate inside an op. It
-holds where eager runs the same ATen ops as AOTAutograd's joint graph. Where it does not (on
-CPU, at "tiny" sizes: gpt and hf_gpt2, whose eager peaks are above the prediction), a test
-below pins the measured ratio and proves the cause, so a change in either side shows up.
+holds where eager runs the same ATen ops as AOTAutograd's joint graph. Where it does not, a
+test below bounds the gap by what its cause can hold, in bytes of the graph's tensors (not
+by a ratio measured on one torch version), so a change in either side shows up. For
+orientation, eager / predicted measured on CPU (torch 2.13), "tiny" sizes, not asserted:
+
+    mlp 1.000   resnet 0.999   gpt 1.137   unet 0.998   multi_output 0.980   hf_gpt2 1.134
 
 - resnet, unet: convolutions' scratch (im2col-style buffers the kernel frees inside the op) is a
   large part of the eager peak at these sizes; without it in the graph the ratio is far off.
@@ -98,25 +101,35 @@ def test_gpt_matches_graph_without_dropout() -> None:
     assert eager_peak(model, args, kwargs) == pytest.approx(predicted, rel=TOLERANCE)
 
 
-@pytest.mark.parametrize(("name", "ratio", "corrected"), [("gpt", 1.137, 1.000), ("hf_gpt2", 1.134, 1.030)])
-def test_transformer_gap_is_eager_cpu_float_dropout_masks(
-    name: str, ratio: float, corrected: float, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Eager CPU dropout keeps float32 masks: counting the graph's bool masks at four bytes an
-    element brings the prediction to eager (exactly for gpt; hf_gpt2 keeps its GELU gap). The
-    graph is taken in autograd's order, which eager runs: hoisting weight gradients would lower
-    GPT's store-all peak (without the loss) below what eager holds."""
+@pytest.mark.parametrize("name", ["gpt", "hf_gpt2"])
+def test_transformer_gap_is_eager_cpu_float_dropout_masks(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eager CPU dropout keeps float32 masks where the graph keeps bool ones: eager's step
+    holds more than the graph predicts, by at most three bytes a mask element (every mask
+    alive at the peak), plus for hf_gpt2 at most one tensor of its MLP's width (the GELU's
+    backward: eager holds an operand gradient more). Counting the masks at four bytes an
+    element brings the prediction to eager as for the models without dropout (gpt), or under
+    it by less than that one tensor (hf_gpt2). The graph is taken in autograd's order, which
+    eager runs: hoisting weight gradients lowers GPT's store-all peak further."""
     if name not in zoo.ZOO:
         pytest.skip("transformers is not installed")
     monkeypatch.setattr(rkgraph.build, "hoist_gradients", lambda nodes, *_: nodes)
     model, args, kwargs, _ = zoo.make(name)
     graph = capture(model, args, kwargs)
-    measured = eager_peak(model, args, kwargs)
-    assert measured / predicted_peak(graph) == pytest.approx(ratio, abs=0.02)
+    measured, predicted = eager_peak(model, args, kwargs), predicted_peak(graph)
 
     masks = [d for n in graph.nodes if n.op == "rkgraph.dropout_mask.default" for d in n.outputs]
-    assert masks
+    drawn = graph.joint.module.graph.find_nodes(op="call_function", target=torch.ops.rkgraph.dropout_mask.default)
+    assert masks and all(n.meta["val"].dtype == torch.bool for n in drawn)  # one byte an element
+    float_extra = 3 * sum(graph.data[d].size for d in masks)
+    gelu_extra = max((graph.data[d].size for n in graph.nodes if n.module.endswith("mlp.c_fc") and not n.backward
+                      for d in n.outputs), default=0)  # HF's Python tanh-GELU only
+    assert (gelu_extra > 0) == (name == "hf_gpt2")
+    assert predicted < measured <= predicted + float_extra + gelu_extra
+
     for d in masks:
         graph.data[d].size *= torch.float32.itemsize
-    assert measured / predicted_peak(graph) == pytest.approx(corrected, abs=0.005)
-
+    corrected = predicted_peak(graph)
+    if gelu_extra:
+        assert corrected < measured <= corrected + gelu_extra
+    else:
+        assert measured == pytest.approx(corrected, rel=TOLERANCE)
