@@ -113,9 +113,11 @@ def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = Pl
         # Its own ops timed in place, unless the reference's times are estimates.
         lean_graph = costed_graph(lean, real_inputs, "estimate" if options.profile == "estimate" else "measure",
                                   options, shared=graph)
-        floor = time_lower_bound(lean_graph, budget)
+        # Proven once: it says whether solving can pay, and the portfolio's search starts from it.
+        floor = (time_lower_bound(lean_graph, budget)
+                 if chosen is not None or "floor" in solver_options(options.solver) else None)
         # No use solving it when its proven floor is above the plan in hand.
-        hopeless = chosen is not None and floor[0] >= chosen[2].predicted_time
+        hopeless = chosen is not None and floor is not None and floor[0] >= chosen[2].predicted_time
         other = None
         if not hopeless:
             try:
