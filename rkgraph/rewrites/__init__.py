@@ -17,7 +17,6 @@ that hold them are run by generated code, and random ones are replayed by name
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -113,7 +112,9 @@ def lean_variant(joint: JointGraph) -> JointGraph | None:
     make it hold less for a recomputation or two; None when none applies. A copy, not a
     rewrite of `joint`: the variant costs time that only tight budgets repay."""
     graph = fx.Graph()
-    graph._codegen = copy.deepcopy(joint.module.graph._codegen)  # the (primals, tangents) signature
+    # The (primals, tangents) signature. Shared, not copied: code generation only reads it, and
+    # deep-copying its pytree specs makes torch warn (FutureWarning on LeafSpec) in users' logs.
+    graph._codegen = joint.module.graph._codegen
     graph.output(graph.graph_copy(joint.module.graph, {}))  # nodes' meta is shared, not copied
     module = fx.GraphModule(joint.module, graph)
     if not _run(module, "lean"):
