@@ -37,6 +37,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from bench_page import PAGES, write_page  # noqa: E402  (beside this script, on its path)
 from torch._dynamo.backends.debugging import aot_eager  # noqa: E402
+from torch.utils._pytree import tree_map  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 from rkgraph.rewrites import lean_rewrites  # noqa: E402
@@ -134,7 +135,7 @@ def bench_model(name: str, size: str, ratios: list[float], repeats: int, solvers
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # The loss inside the module: every method's measured step is the whole step, loss included.
     model = zoo.WithLoss(model, loss_fn).to(device)
-    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+    args, kwargs = tree_map(lambda a: a.to(device) if isinstance(a, torch.Tensor) else a, (args, kwargs))
 
     def step(module: torch.nn.Module) -> Callable[[], object]:
         def run() -> object:

@@ -39,9 +39,18 @@ def _is_pointwise(node: fx.Node) -> bool:
     return isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags
 
 
+# Arguments through which an op is handed the random state it uses: such an op replays the
+# draws of the op that made them (attention's backward on CUDA takes its forward's philox seed
+# and offset) and draws nothing itself, though ATen tags some of them as seeded.
+_GIVEN_RANDOM_STATE = frozenset({"philox_seed", "philox_offset", "rng_state"})
+
+
 def is_random(node: fx.Node) -> bool:
+    """Whether the op draws from the global generator (a recomputation must replay its state)."""
     t = node.target
-    return isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
+    if not (isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags):
+        return False
+    return not any(a.name in _GIVEN_RANDOM_STATE for a in t._schema.arguments)
 
 
 def is_backward(node: fx.Node) -> bool:

@@ -3,7 +3,8 @@
 Every entry is a factory ``factory(size="tiny", **options) -> ZooEntry``; a ``ZooEntry`` unpacks
 as ``model, args, kwargs, loss_fn`` where ``loss_fn(model(*args, **kwargs), *args)`` is a scalar.
 Targets the loss needs (class labels, segmentation masks) are drawn when the entry is built and
-held by ``loss_fn``, so any caller can train any entry the same way::
+held by ``loss_fn``, which moves them to the output's device, so any caller can train any entry
+the same way, on any device::
 
     model, args, kwargs, loss_fn = make("resnet")
     loss_fn(model(*args, **kwargs), *args).backward()
@@ -69,7 +70,7 @@ def mlp(size: Size = "tiny") -> ZooEntry:
     labels = torch.randint(0, widths[-1], (cfg["batch"],))
 
     def loss_fn(logits: Tensor, *_args: Any) -> Tensor:
-        return F.cross_entropy(logits, labels)
+        return F.cross_entropy(logits, labels.to(logits.device))
 
     return ZooEntry(nn.Sequential(*layers), (x,), {}, loss_fn)
 
@@ -134,7 +135,7 @@ def resnet(size: Size = "tiny") -> ZooEntry:
     labels = torch.randint(0, cfg["classes"], (cfg["batch"],))
 
     def loss_fn(logits: Tensor, *_args: Any) -> Tensor:
-        return F.cross_entropy(logits, labels)
+        return F.cross_entropy(logits, labels.to(logits.device))
 
     return ZooEntry(model, (x,), {}, loss_fn)
 
@@ -299,7 +300,7 @@ def unet(size: Size = "tiny") -> ZooEntry:
     target = torch.randint(0, cfg["classes"], (cfg["batch"], cfg["image"], cfg["image"]))
 
     def loss_fn(logits: Tensor, *_args: Any) -> Tensor:
-        return F.cross_entropy(logits, target)
+        return F.cross_entropy(logits, target.to(logits.device))
 
     return ZooEntry(model, (x,), {}, loss_fn)
 
@@ -342,8 +343,8 @@ def multi_output(size: Size = "tiny") -> ZooEntry:
 
     def loss_fn(output: dict[str, Tensor], *_args: Any) -> Tensor:
         return (
-            F.cross_entropy(output["logits"], labels)
-            + F.mse_loss(output["regression"], values)
+            F.cross_entropy(output["logits"], labels.to(output["logits"].device))
+            + F.mse_loss(output["regression"], values.to(output["regression"].device))
             + 1e-3 * output["features"].pow(2).mean()
         )
 

@@ -259,3 +259,24 @@ def test_weight_gradient_runs_before_the_input_gradient_when_that_frees_its_inpu
         assert max(readers) == new.index(weight_gradient.name)
     peaks = [solvers.simulate(g, solvers.solve_store_all(g)).peak for g in (hoisted, autograd)]
     assert peaks[0] <= peaks[1]
+
+
+@pytest.mark.parametrize(
+    ("op", "draws"),
+    [
+        (torch.ops.aten.native_dropout.default, True),
+        (torch.ops.aten._scaled_dot_product_efficient_attention.default, True),
+        (torch.ops.aten._scaled_dot_product_cudnn_attention.default, True),
+        # CUDA attention's backward ops are tagged as seeded but take the forward's philox seed
+        # and offset: they replay its draws and draw nothing (planning GPT on CUDA failed on them).
+        (torch.ops.aten._scaled_dot_product_efficient_attention_backward.default, False),
+        (torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default, False),
+        (torch.ops.aten.mm.default, False),
+    ],
+)
+def test_ops_given_their_random_state_draw_nothing(op: torch._ops.OpOverload, draws: bool) -> None:
+    from rkgraph.build import is_random
+
+    graph = fx.Graph()
+    node = graph.call_function(op, ())
+    assert is_random(node) is draws
