@@ -70,10 +70,19 @@ def first_value(node: fx.Node) -> torch.Tensor:
     return val[0] if isinstance(val, (tuple, list)) else val
 
 
+# The CUDA caching allocator hands out blocks in multiples of 512 bytes, and its
+# statistics, which measure the step's peak, count the blocks.
+CUDA_BLOCK_BYTES = 512
+
+
 def _tensor_bytes(val: object) -> int:
-    if isinstance(val, torch.Tensor):
-        return val.untyped_storage().nbytes()
-    return 0
+    """Bytes the allocator gives the tensor's storage: exact on CPU, whole blocks on CUDA."""
+    if not isinstance(val, torch.Tensor):
+        return 0
+    nbytes = val.untyped_storage().nbytes()
+    if val.device.type == "cuda":
+        return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES  # none for an empty storage
+    return nbytes
 
 
 @dataclass(eq=False)

@@ -45,6 +45,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -58,7 +59,7 @@ from torch.utils._pytree import tree_leaves
 
 from rkgraph.profile import AllocatorEvents
 
-__all__ = ["MemoryTracker", "Method", "StepMemory", "measure_step", "steady_cpu_heap"]
+__all__ = ["MemoryTracker", "Method", "StepMemory", "cuda_blocks_fit_requests", "measure_step", "steady_cpu_heap"]
 
 Method = Literal["auto", "allocator", "storages", "profiler"]
 R = TypeVar("R")
@@ -296,6 +297,20 @@ def _infer_device(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
         if tensor.device.type != "cpu":
             return tensor.device
     return torch.device("cpu")
+
+
+def cuda_blocks_fit_requests() -> bool:
+    """Whether this process's CUDA caching allocator gives each request a block of its own size.
+
+    Without expandable segments (PyTorch's default) the allocator may serve a request from a
+    larger cached block and, when what would be left is under 1 MiB, hand over the whole block
+    without splitting it: its statistics then count more than the tensors' bytes, by an amount
+    that depends on what earlier steps left in the cache, which no plan can predict. With
+    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (read when CUDA is first used) blocks
+    are cut to the request, and the measured peak is the plan's, in 512-byte blocks.
+    """
+    settings = ",".join(os.environ.get(name, "") for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+    return "expandable_segments:true" in settings.replace(" ", "").lower()
 
 
 def measure_step(

@@ -16,6 +16,7 @@ same costs for the ops both graphs share, and the faster plan is returned.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ from rkgraph.graph import RematGraph
 from rkgraph.rewrites import lean_variant
 from rkgraph.units import format_bytes
 from rockplan.budget import parse_budget
+from rockplan.memory import cuda_blocks_fit_requests
 from rockplan.plan_file import PlanMismatch, load_plan
 from solvers import RUNTIME_SOLVERS, InfeasibleBudget, Schedule, simulate, solve_store_all, solver_options
 from solvers.bounds import time_lower_bound
@@ -94,6 +96,11 @@ def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = Pl
     Raises InfeasibleBudget, stating the smallest feasible budget, when nothing fits, and
     PlanMismatch when a plan file is for another graph."""
     graph = costed_graph(joint, real_inputs, options.profile, options)
+    if any(t.device.type == "cuda" for t in real_inputs or ()) and not cuda_blocks_fit_requests():
+        warnings.warn("CUDA's caching allocator without expandable segments can give a tensor a larger "
+                      "cached block than it asks for, so the measured peak can exceed the plan by a few "
+                      "percent; set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before CUDA is first "
+                      "used and the allocator's peak is the plan's", stacklevel=2)
     reference = solve_store_all(graph)
     budget = parse_budget(budget, reference.predicted_peak)
     log.info("planning %s: %d nodes, budget %s (store-all peak %s)", graph.name, len(graph.nodes),

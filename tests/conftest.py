@@ -12,6 +12,7 @@ kept). Tests of the measurement itself opt out with `@pytest.mark.measures_time`
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import pytest
@@ -20,6 +21,10 @@ from torch import fx
 
 import rkgraph
 from rkgraph.graph import RematGraph
+
+# CUDA tests measure with the allocator set as the README advises (read when CUDA is first used):
+# without expandable segments a cached block larger than the request counts whole.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -280,3 +280,17 @@ def test_ops_given_their_random_state_draw_nothing(op: torch._ops.OpOverload, dr
     graph = fx.Graph()
     node = graph.call_function(op, ())
     assert is_random(node) is draws
+
+
+def test_cuda_storages_are_counted_in_the_allocators_blocks() -> None:
+    """The CUDA caching allocator's statistics (which measure a CUDA step) count whole 512-byte
+    blocks; a CPU storage is its bytes. Fake CUDA tensors need no GPU."""
+    from torch._subclasses import FakeTensorMode
+
+    from rkgraph.build import _tensor_bytes
+
+    with FakeTensorMode():
+        sizes = [torch.empty(n, device="cuda") for n in (0, 3, 128, 129)]
+        cpu = torch.empty(3)
+    assert [_tensor_bytes(t) for t in sizes] == [0, 512, 512, 1024]
+    assert _tensor_bytes(cpu) == 12

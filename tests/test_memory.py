@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from rockplan import zoo
-from rockplan.memory import MemoryTracker, measure_step
+from rockplan.memory import MemoryTracker, cuda_blocks_fit_requests, measure_step
 
 F32 = 4
 
@@ -279,3 +279,22 @@ def test_steady_cpu_heap_keeps_freed_memory_for_the_next_step() -> None:
 
     assert returned("default")[1] >= 19
     assert returned("fixed") == ("True", 0)
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "fits"),
+    [
+        ("PYTORCH_CUDA_ALLOC_CONF", "", False),
+        ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", True),
+        ("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128, expandable_segments:True", True),
+        ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False", False),
+        ("PYTORCH_ALLOC_CONF", "expandable_segments:True", True),
+    ],
+)
+def test_cuda_blocks_fit_requests_only_with_expandable_segments(monkeypatch, variable: str, value: str,
+                                                                 fits: bool) -> None:
+    """The setting read from either of PyTorch's allocator variables (planning warns on CUDA without it)."""
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, value)
+    assert cuda_blocks_fit_requests() is fits
