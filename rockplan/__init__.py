@@ -2,9 +2,11 @@
 
     from rockplan import Rockmate
     rk = Rockmate(model, sample, budget=0.5)   # same outputs and gradients, less memory
+    step = torch.compile(model, backend=rockplan.backend(budget="1GiB"))   # or as a torch.compile backend
 """
 
+from rockplan.backend import backend
 from rockplan.memory import measure_step, steady_cpu_heap
 from rockplan.module import Rockmate
 
-__all__ = ["Rockmate", "measure_step", "steady_cpu_heap"]
+__all__ = ["Rockmate", "backend", "measure_step", "steady_cpu_heap"]

@@ -20,9 +20,10 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch._dynamo.backends.debugging import boxed_nop
 
-from rkgraph.capture import FlatCall, flat_tensors, flatten_call, joint_graph, trace, training_function
+from rkgraph.capture import CaptureError, FlatCall, flat_tensors, flatten_call, joint_graph, trace, training_function
 from rkgraph.graph import RematGraph
 from rkgraph.rewrites import apply_rewrites
+from rockplan.backend import GraphBreaks, GraphPlan
 from rockplan.codegen import generate
 from rockplan.decisions import decide
 from rockplan.explain import explain
@@ -107,13 +108,25 @@ class Rockmate(nn.Module):
         self._steps: dict[tuple, PlannedStep] = {}
         args, kwargs = _split_sample(sample)
         self._sample_signature = _signature(model, args, kwargs)
-        self._current = self._plan(args, kwargs)
+        self._graph_breaks: GraphBreaks | None = None
+        try:
+            self._current = self._plan(args, kwargs)
+        except CaptureError as e:  # not one graph: Dynamo splits it, each graph planned in the first step
+            self._current, self._graph_breaks = None, GraphBreaks(model, budget, self.options, e)
 
     # --- what users read -------------------------------------------------------------------
     @property
     def plan(self) -> Plan:
         """The plan for the last input signature seen (the sample's until another is run)."""
+        if self._current is None:
+            raise RuntimeError(f"{type(self.model).__name__} has graph breaks: it has one plan per graph, "
+                               "made in the first training step; see graph_plans")
         return self._current.plan
+
+    @property
+    def graph_plans(self) -> list[GraphPlan]:
+        """For a model with graph breaks, the plan of each graph Dynamo captured (empty otherwise)."""
+        return [] if self._graph_breaks is None else self._graph_breaks.graphs
 
     @property
     def schedule(self) -> Schedule:
@@ -184,10 +197,12 @@ class Rockmate(nn.Module):
         signature = _signature(self.model, args, kwargs)
         step = self._steps.get(signature)
         if step is None:
-            if self.on_new_input == "error":
+            if self.on_new_input == "error" and signature != self._sample_signature:
                 difference = _describe_difference(self._sample_signature, signature)
                 raise ValueError(f"input differs from the planned sample: {difference}; "
                                  "pass on_new_input='replan' to plan for it")
+            if self._graph_breaks is not None:
+                return self._graph_breaks(*args, **kwargs)
             step = self._plan(args, kwargs)
         self._current = step
         out = step.compiled(*flat_tensors(self.model, step.flat, args, kwargs))

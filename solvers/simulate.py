@@ -42,6 +42,10 @@ class SimulationResult:
     curve: list[int]  # memory after each op (tangents counted from the first backward op)
     time: float  # sum of the times of all compute ops
     recompute_counts: dict[str, int] = field(default_factory=dict)  # node -> extra computations
+    # Bytes alive as the backward starts, before its tangents appear: what the forward hands
+    # over (saved values, outputs, recorded generator states, buffer copies). A graph run
+    # before another holds this while the other runs (`rockplan.backend`).
+    held_into_backward: int = 0
 
 
 def to_recompute(graph: RematGraph, data: Iterable[str], available: Container[str]) -> list[str]:
@@ -155,6 +159,7 @@ def simulate(graph: RematGraph, schedule: Schedule, budget: int | None = None) -
     user_outputs, backward_outputs = frozenset(graph.user_outputs), frozenset(graph.backward_outputs)
     tangents = frozenset(graph.tangents)
     held = _held_by_code(graph, schedule)
+    held_into_backward = 0
 
     def fail(where: int | str, why: str, error: type[InvalidSchedule] = InvalidSchedule) -> InvalidSchedule:
         """`where`: an op's index, or a place in words ("end of schedule")."""
@@ -176,8 +181,9 @@ def simulate(graph: RematGraph, schedule: Schedule, budget: int | None = None) -
 
     def enter_backward(where: int | str) -> None:
         """Phase boundary: forward outputs must be alive, then the tangents appear (counted)."""
-        nonlocal memory
+        nonlocal memory, held_into_backward
         check_required(graph.forward_outputs, where, "at the end of the forward phase, forward output")
+        held_into_backward = memory
         alive.update(tangents)
         memory += sum(graph.data[d].size for d in tangents)
         note_peak(memory, where)
@@ -246,7 +252,7 @@ def simulate(graph: RematGraph, schedule: Schedule, budget: int | None = None) -
     check_required(graph.backward_outputs, end, "backward output")
     check_required(graph.user_outputs, end, "output held by the user")
     recomputes = {name: c - 1 for name, c in counts.items() if c > 1}
-    return SimulationResult(peak, curve, time, recomputes)
+    return SimulationResult(peak, curve, time, recomputes, held_into_backward)
 
 
 # --- liveness -----------------------------------------------------------------------------

@@ -1,0 +1,380 @@
+"""rockplan as a torch.compile backend: `torch.compile(model, backend=rockplan.backend(budget=...))`.
+
+Dynamo (torch.compile's frontend) captures a program as one or more fx graphs: where the
+Python cannot be one graph (a branch on a tensor's value, `.item()`, a print, a call into a
+library it cannot trace) it ends a graph, runs that code itself, and starts another, with
+guards (shapes, dtypes, train/eval, grad mode, autocast) deciding when a compiled graph still
+applies. This backend receives each graph, runs AOTAutograd on it with rockplan's planner as
+the partition step (`rockplan.planner.plan`, as `Rockmate` does for a whole step), and returns
+AOTAutograd's callable running the generated forward and backward.
+
+One budget for the whole step. Graphs run in order and their backwards in reverse order, so
+while graph k runs, the graphs before it hold what they keep for their backward, and while
+graph k's backward runs, the gradients the later graphs' backwards made are alive too. Dynamo
+compiles graphs lazily, during the first call that reaches them, so graph k is planned knowing
+the graphs that ran before it in this step, but not those after it. The rule:
+
+    budget of graph k = budget
+                        - what the graphs whose backward is pending hold into it
+                          (`SimulationResult.held_into_backward` of their plans: saved values,
+                          outputs, recorded generator states, buffer copies)
+                        - the gradients of their outputs (they may come from graphs after k
+                          and wait through k's backward)
+                        - the gradients of every trainable parameter of the step, each once
+
+The last term is needed because a later graph may use any parameter (tied weights, a module
+called on both sides of a break) and its gradient then waits through graph k's backward; the
+graph's own planner also counts the gradients of its own parameters, so those are counted twice
+for it, the price of not knowing the later graphs. What graphs hold is tracked while the step
+runs (a graph's share is added when its forward runs, removed when its backward has run), so a
+graph compiled late (a branch first taken in a later step) is planned against the graphs
+actually before it. Parameters, buffers and inputs alive before the step are not counted, as
+in `Rockmate`'s budget.
+
+Limits. Code Dynamo runs itself between graphs is not planned and allocates outside the
+budget (the `.item()` or the branch allocate nothing; a library call on tensors can): a graph
+whose input comes from autograd ops run outside any graph is refused, naming the op and the
+break. Budgets are bytes: a ratio is of the whole step's peak, unknown until every graph is
+captured. Shapes must be static (`dynamic=False`). Re-planning once all graphs are known (a
+better split, as the chain planner splits a budget across blocks) is not done.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.backends.debugging import boxed_nop
+from torch.fx.experimental.symbolic_shapes import free_symbols
+
+from rkgraph.capture import CaptureError, JointGraph, _native_kernels, is_tangent
+from rkgraph.rewrites import apply_rewrites
+from rkgraph.units import format_bytes
+from rockplan.budget import parse_budget
+from rockplan.codegen import generate
+from rockplan.planner import DEFAULT_SOLVER, Plan, PlanOptions, Profile, plan
+from solvers import InfeasibleBudget, min_feasible_budget, simulate
+
+log = logging.getLogger(__name__)
+
+
+# A graph's plan may hold at most this share of its budget into its backward when a plan at a
+# smaller budget can: the graphs after it are not known when it is planned, and need room.
+HOLD_SHARE = 0.5
+
+
+@dataclass
+class GraphPlan:
+    """One graph Dynamo captured, planned: its plan and how its budget was split off."""
+
+    index: int  # in compile order
+    plan: Plan
+    budget: int  # bytes given to its planner
+    pending: int  # bytes the graphs before it held into its run (their saved values, outputs, their gradients)
+    reserved: int  # bytes kept for the step's parameter gradients
+    held: int  # bytes this graph holds from its forward's end into its backward
+    output_gradients: int  # bytes of the gradients of its outputs
+    ends_at: str  # why Dynamo ended the graph there ("" for a graph that ends with the frame)
+
+
+def backend(budget: int | str, *, parameters: Iterable[nn.Parameter] | None = None, solver: str = DEFAULT_SOLVER,
+            profile: Profile = "estimate", solver_options: dict | None = None, name: str = "") -> Backend:
+    """A torch.compile backend planning every graph Dynamo captures within one step budget.
+
+    `budget`: bytes, or a size string ("1.5GiB"), for the whole training step (not per graph).
+    `parameters`: the step's trainable parameters, whose gradients it reserves; by default
+    those of the modules Dynamo compiles (`torch.compile(model)`: the model's). `solver`,
+    `solver_options`: as `Rockmate`'s. `profile` defaults to "estimate": graphs are planned
+    inside the first step, and measuring replays a graph storing everything, above the budget.
+    """
+    return Backend(budget, parameters=parameters, options=PlanOptions(
+        solver=solver, solver_options=dict(solver_options or {}), profile=profile, name=name))
+
+
+class Backend:
+    """The callable torch.compile calls with each graph; `graphs` lists what it planned."""
+
+    def __init__(self, budget: int | str, *, parameters: Iterable[nn.Parameter] | None, options: PlanOptions) -> None:
+        if isinstance(budget, float):
+            raise ValueError(
+                f"rockplan.backend takes the budget in bytes (an int or a size string like '1.5GiB'), not the "
+                f"ratio {budget}: graphs are planned one at a time as Dynamo captures them, before the whole "
+                "step's peak is known. Measure the step without rockplan (rockplan.measure_step) and give a "
+                "fraction of that in bytes.")
+        self.budget = parse_budget(budget, 0)
+        self.options = options
+        self.graphs: list[GraphPlan] = []
+        self._given = None if parameters is None else [p for p in parameters if p.requires_grad]
+        self._gradients: dict[int, int] = {}  # id of each trainable parameter -> bytes of its gradient
+        self._pending: dict[int, int] = {}  # graph index -> what it holds while its backward is pending
+
+    @property
+    def __name__(self) -> str:  # Dynamo names backends in its logs and errors
+        return "rockplan"
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
+        _check_static(gm, example_inputs)
+        self._note_parameters(example_inputs)
+        _check_inputs_come_from_graphs(gm, example_inputs, self.graphs)
+        kinds, names = _input_kinds(gm, example_inputs)
+        real = [*gm.parameters(), *gm.buffers(), *example_inputs]
+        index = len(self.graphs)
+        ends_at = _break_description(getattr(gm, "compile_subgraph_reason", None))
+        state: dict[str, Any] = {}
+
+        def partition(joint_module: fx.GraphModule, _inputs: Any, *, num_fwd_outputs: int, **_: Any):
+            state["planning"] = True
+            primals = [p for p in joint_module.graph.find_nodes(op="placeholder") if not is_tangent(p)]
+            if len(primals) != len(kinds):  # AOTAutograd merged inputs that alias each other
+                raise CaptureError(f"graph {index} has inputs that alias one another; rockplan plans graphs "
+                                   "whose inputs are distinct tensors")
+            _annotate_modules(joint_module)
+            mutated = _mutated(joint_module, primals)
+            joint = apply_rewrites(JointGraph(joint_module, num_fwd_outputs, kinds, names, mutated))
+            pending = sum(self._pending.values())
+            reserved = sum(self._gradients.values())
+            budget = self.budget - pending - reserved
+            if budget <= 0:
+                raise InfeasibleBudget(
+                    f"budget {format_bytes(self.budget)} leaves nothing for graph {index}: the graphs before it "
+                    f"hold {format_bytes(pending)} into its backward and the step's parameter gradients take "
+                    f"{format_bytes(reserved)}; give a larger budget")
+            try:
+                planned, held = self._plan_leaving_room(joint, budget, real)
+            except InfeasibleBudget as e:
+                raise InfeasibleBudget(
+                    f"graph {index} of the step gets {format_bytes(budget)} of the budget {format_bytes(self.budget)} "
+                    f"(the graphs before it hold {format_bytes(pending)} into its backward, the step's parameter "
+                    f"gradients take {format_bytes(reserved)}), and that is too little: {e}") from e
+            tangents = sum(planned.graph.data[t].size for t in planned.graph.tangents)
+            state["plan"] = GraphPlan(index, planned, budget, pending, reserved, held,
+                                      tangents, ends_at)
+            self.graphs.append(state["plan"])
+            log.info("graph %d: %d nodes, budget %s (%s held by earlier graphs, %s of parameter gradients)",
+                     index, len(planned.graph.nodes), format_bytes(budget), format_bytes(pending),
+                     format_bytes(reserved))
+            return generate(planned.joint, planned.graph, planned.schedule)
+
+        def compile_backward(gm: fx.GraphModule, inputs: Any) -> Any:
+            run = boxed_nop(gm, inputs)
+
+            def backward(args: list) -> Any:
+                try:
+                    return run(args)
+                finally:
+                    self._pending.pop(index, None)
+
+            backward._boxed_call = True  # type: ignore[attr-defined]
+            return backward
+
+        try:
+            with _native_kernels():
+                compiled = aot_autograd(fw_compiler=boxed_nop, bw_compiler=compile_backward,
+                                        partition_fn=partition)(gm, example_inputs)
+        except Exception as e:
+            if state.get("planning") or isinstance(e, CaptureError):
+                raise
+            raise CaptureError(explain_graph_failure(gm, e)) from e
+        if not state.get("planning"):
+            return compiled  # no backward to plan (eval or no_grad): AOTAutograd's inference graph
+
+        @functools.wraps(compiled)
+        def forward(*args: Any) -> Any:
+            out = compiled(*args)
+            mine = state["plan"]
+            self._pending[index] = mine.held + mine.output_gradients
+            return out
+
+        return forward
+
+    def _plan_leaving_room(self, joint: JointGraph, budget: int, real: list[Any]) -> tuple[Plan, int]:
+        """The plan within `budget`, and what it holds into the backward: the fastest one,
+        unless it holds more than HOLD_SHARE of the budget; then the one that holds the least of
+        those planned at smaller budgets, halfway down to the smallest feasible one and at it,
+        so that graphs after it, unknown yet, are left room. Without this, a graph storing
+        everything when it can leaves the next one too little (a greedy split)."""
+        inputs = real if self.options.profile == "measure" else None
+        best = plan(joint, budget, self.options, inputs)
+        best_held = simulate(best.graph, best.schedule).held_into_backward
+        if best_held > HOLD_SHARE * budget:
+            smallest = min_feasible_budget(best.graph)
+            for smaller in ((budget + smallest) // 2, smallest):
+                try:
+                    other = plan(joint, smaller, self.options, inputs)
+                except InfeasibleBudget:
+                    continue
+                held = simulate(other.graph, other.schedule).held_into_backward
+                if held < best_held:
+                    best, best_held = other, held
+                if best_held <= HOLD_SHARE * budget:
+                    break
+        best.budget = budget  # what the graph was given; its schedule may fit a smaller one
+        return best, best_held
+
+    def _note_parameters(self, example_inputs: list[Any]) -> None:
+        """Every trainable parameter the step may use, once: the ones given, or those of the
+        modules in the frame Dynamo compiles (the model, for `torch.compile(model)`), and the
+        graph's own."""
+        found: list[torch.Tensor] = [t for t in example_inputs if isinstance(t, nn.Parameter) and t.requires_grad]
+        if self._given is not None:
+            found += self._given
+        else:
+            for value in _frame_locals().values():
+                if isinstance(value, nn.Module):
+                    found += [p for p in value.parameters() if p.requires_grad]
+        for p in found:
+            self._gradients[id(p)] = p.numel() * p.element_size()
+
+
+def _frame_locals() -> dict[str, Any]:
+    """The locals of the frame Dynamo is compiling. Dynamo keeps no public handle on them;
+    without one, `parameters=` must be given."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    tx = InstructionTranslator.current_tx()
+    if tx is None:
+        raise RuntimeError("rockplan.backend cannot see the compiled frame's modules: pass "
+                           "parameters=model.parameters() to rockplan.backend")
+    return dict(tx.f_locals)
+
+
+def _break_description(reason: Any) -> str:
+    """Why Dynamo ended a graph, and the user's line where it did ("" for the frame's end)."""
+    text = (str(getattr(reason, "reason", "") or "").strip().splitlines() or [""])[0]
+    stack = getattr(reason, "user_stack", None) or []
+    if stack:
+        text += f" (at {stack[-1].filename}:{stack[-1].lineno}: {(stack[-1].line or '').strip()})"
+    return text
+
+
+def _check_static(gm: fx.GraphModule, example_inputs: list[Any]) -> None:
+    for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
+        example = node.meta.get("example_value", value)
+        if not isinstance(value, torch.Tensor) or free_symbols(example):
+            raise CaptureError(
+                f"Dynamo made input {node.name} of a graph dynamic (its size changed between calls); rockplan "
+                "plans graphs with static shapes: compile with torch.compile(model, backend=..., dynamic=False)")
+
+
+def _check_inputs_come_from_graphs(gm: fx.GraphModule, example_inputs: list[Any], graphs: list[GraphPlan]) -> None:
+    """Refuse a graph fed by autograd ops that ran outside any graph: what they keep for the
+    backward is in no plan, so the budget could not be kept."""
+    for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
+        grad_fn = value.grad_fn if isinstance(value, torch.Tensor) else None
+        if grad_fn is None or type(grad_fn).__name__ == "CompiledFunctionBackward":
+            continue
+        op = type(grad_fn).__name__.removesuffix("Backward0").removesuffix("Backward1").removesuffix("Backward")
+        where = graphs[-1].ends_at if graphs else "before the first graph"
+        raise CaptureError(
+            f"input {node.name} of a graph was made by {op} (autograd node {type(grad_fn).__name__}) run outside "
+            f"any captured graph, after the break: {where}. Dynamo ran it in Python, so what it keeps for the "
+            "backward is outside the plan and the budget. Make the call traceable (for a library op: "
+            "torch.library.custom_op with register_fake), or move it out of the planned step.")
+
+
+def _input_kinds(gm: fx.GraphModule, example_inputs: list[Any]) -> tuple[list[str], list[str]]:
+    """Per primal of AOTAutograd (the module's own parameters and buffers, then the graph's
+    inputs), "param", "buffer" or "input", and a name: the source Dynamo read it from."""
+    kinds = ["param" for _ in gm.parameters()] + ["buffer" for _ in gm.buffers()]
+    names = [n for n, _ in gm.named_parameters()] + [n for n, _ in gm.named_buffers()]
+    for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        label = source.name if source is not None else node.name
+        names.append(label() if callable(label) else str(label))
+        kinds.append("param" if isinstance(value, nn.Parameter)
+                     else "buffer" if "._buffers[" in names[-1] else "input")
+    return kinds, names
+
+
+def _mutated(joint: fx.GraphModule, primals: list[fx.Node]) -> frozenset[str]:
+    """The primals the graph mutates (BatchNorm's statistics): AOTAutograd describes each
+    output of the joint graph, the new values of mutated inputs as InputMutationAOTOutput."""
+    from torch._functorch._aot_autograd.descriptors import InputMutationAOTOutput, PlainAOTInput
+
+    descriptions = joint.graph.find_nodes(op="output")[0].meta.get("desc")
+    if descriptions is None:
+        raise CaptureError("AOTAutograd did not describe the graph's outputs: rockplan cannot tell which "
+                           "inputs the step mutates (this torch is older or newer than it knows)")
+    return frozenset(primals[d.mutated_input.idx].name for d in descriptions
+                     if isinstance(d, InputMutationAOTOutput) and isinstance(d.mutated_input, PlainAOTInput))
+
+
+def _annotate_modules(joint: fx.GraphModule) -> None:
+    """Name each node's module as `Rockmate`'s capture does (`meta["custom"]["module"]`), from the
+    module stack Dynamo recorded, so blocks and explanations name modules."""
+    for node in joint.graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if stack and "module" not in node.meta.get("custom", {}):
+            path = list(stack.values())[-1][0]
+            node.meta.setdefault("custom", {})["module"] = _module_path(path)
+
+
+def _module_path(dynamo_path: str) -> str:
+    # Dynamo writes "L['self'].layers[0].attn" or "L['self']._modules['layers']...": keep the dotted tail.
+    path = dynamo_path.split("]", 1)[1] if dynamo_path.startswith("L[") else dynamo_path
+    return path.replace("._modules['", ".").replace("']", "").replace("[", ".").replace("]", "").lstrip(".")
+
+
+def explain_graph_failure(gm: fx.GraphModule, error: Exception) -> str:
+    """What could not be traced in a graph Dynamo captured: the op, the user's line, a remedy."""
+    op = getattr(error, "func", None)
+    what = str(op) if op is not None else (str(error).strip().splitlines() or [type(error).__name__])[0]
+    where = _user_line(str(error))
+    return (f"cannot plan a graph of the step: {type(error).__name__}: {what}\n  at {where}\n"
+            "AOTAutograd traces each graph on fake tensors: an op needs a fake (meta) implementation. For an "
+            "op of your own or a library's, register one (torch.library.register_fake), or wrap the call in "
+            "torch.compiler.disable so that Dynamo leaves it out of the graph.")
+
+
+def _user_line(message: str) -> str:
+    """The innermost user frame of fx's "Original traceback" note, else "unknown location"."""
+    lines = [line.strip() for line in message.splitlines()]
+    frames = [i for i, line in enumerate(lines) if line.startswith("File ") and "/torch/" not in line]
+    if not frames:
+        return "unknown location"
+    i = frames[-1]
+    return f"{lines[i]}: {lines[i + 1]}" if i + 1 < len(lines) else lines[i]
+
+
+class GraphBreaks:
+    """`Rockmate`'s path for a model that is not one graph: the model compiled by Dynamo with
+    this backend, and the backend's record of the graphs (`graphs`). Called as the model is;
+    errors of planning come out as rockplan's own (InfeasibleBudget, CaptureError), not
+    wrapped in Dynamo's BackendCompilerFailed."""
+
+    def __init__(self, model: nn.Module, budget: int | float | str, options: PlanOptions, why: CaptureError) -> None:
+        if isinstance(budget, float):
+            raise ValueError(f"{why}\nDynamo can split it into graphs, planned one at a time, but a ratio budget is "
+                             "a fraction of the whole step's peak, unknown until every graph is captured: give "
+                             "the budget in bytes (an int or a size string like '1.5GiB')") from why
+        if options.plan_file is not None or not options.replay_rng:
+            raise ValueError(f"{why}\nDynamo can split it into graphs, planned one at a time, but not with "
+                             "plan_file= or backend='inductor'") from why
+        # Graphs are planned inside the first step: measuring would replay each one storing
+        # everything, above the budget.
+        profile = "estimate" if options.profile == "measure" else options.profile
+        self.backend = Backend(budget, parameters=model.parameters(), options=replace(options, profile=profile))
+        self.compiled = torch.compile(model, backend=self.backend, dynamic=False)
+        log.info("%s is not one graph (%s): planning each graph Dynamo captures", options.name,
+                 str(why).splitlines()[0])
+
+    @property
+    def graphs(self) -> list[GraphPlan]:
+        return self.backend.graphs
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from torch._dynamo.exc import BackendCompilerFailed
+
+        try:
+            return self.compiled(*args, **kwargs)
+        except BackendCompilerFailed as e:
+            cause = e.inner_exception
+            if isinstance(cause, (InfeasibleBudget, CaptureError)):
+                raise cause from None
+            raise

@@ -1,0 +1,189 @@
+"""rockplan as a torch.compile backend, and Rockmate on models with graph breaks: each graph
+Dynamo captures is planned, outputs and gradients are eager's, one budget holds for the step."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+from torch import nn
+
+import rockplan
+from rkgraph.capture import CaptureError
+from rockplan import Rockmate, zoo
+from rockplan.memory import measure_step
+from solvers import InfeasibleBudget
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> None:
+    torch._dynamo.reset()  # compiled graphs of one test must not serve another
+
+
+class _Branching(nn.Module):
+    """A data-dependent branch in the middle: two graphs, dropout and BatchNorm in the first."""
+
+    def __init__(self, width: int = 256) -> None:
+        super().__init__()
+        self.inp, self.mid, self.out = nn.Linear(64, width), nn.Linear(width, width), nn.Linear(width, 8)
+        self.norm = nn.BatchNorm1d(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(torch.tanh(self.norm(self.inp(x))), 0.2, self.training)
+        h = torch.tanh(self.mid(h))
+        if h.sum() > 0:
+            h = h * 2
+        h = F.dropout(torch.tanh(self.mid(h)), 0.2, self.training)  # `mid` again: its weight in both graphs
+        return self.out(h).square().mean()
+
+
+class _ItemScaled(_Branching):
+    """`.item()` read in the middle: a Python float from a tensor, used by the rest."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(torch.tanh(self.inp(x)), 0.2, self.training)
+        scale = h.abs().mean().item()
+        h = F.dropout(torch.tanh(self.mid(h * scale)), 0.2, self.training)
+        return self.out(h).square().mean()
+
+
+class _EagerBetween(_Branching):
+    """Autograd ops run by Dynamo outside any graph (a call it is told not to trace)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = _untraced(torch.tanh(self.inp(x)))
+        return self.out(torch.tanh(self.mid(h))).square().mean()
+
+
+@torch.compiler.disable
+def _untraced(h: torch.Tensor) -> torch.Tensor:
+    return torch.sin(h) * 3
+
+
+def _step(model: Callable, x: torch.Tensor) -> torch.Tensor:
+    torch.manual_seed(1)  # the same dropout masks as eager's, if the graphs draw as eager does
+    loss = model(x)
+    loss.backward()
+    return loss
+
+
+def _assert_same_step(planned: nn.Module, eager: nn.Module) -> None:
+    for (name, p), q in zip(planned.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=f"gradient of {name}")
+    for (name, b), c in zip(planned.named_buffers(), eager.buffers()):
+        torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6, msg=f"buffer {name}")
+
+
+def _store_all_peak(factory: Callable[[], nn.Module], x: torch.Tensor) -> int:
+    """The step's measured peak when every graph stores everything (a budget nothing reaches)."""
+    torch._dynamo.reset()
+    model = factory()
+    compiled = torch.compile(model, backend=rockplan.backend(10**12, solver="store_all"), dynamic=False)
+    _step(compiled, x)  # compiles
+    model.zero_grad(set_to_none=True)
+    peak = measure_step(_step, compiled, x).peak
+    torch._dynamo.reset()
+    return peak
+
+
+def _recomputes(backend: rockplan.backend) -> bool:
+    return any(sum(op.kind == "compute" for op in g.plan.schedule.ops) > len(g.plan.graph.nodes)
+               for g in backend.graphs)
+
+
+@pytest.mark.parametrize(("factory", "graphs"), [(_Branching, 2), (_ItemScaled, 2)])
+def test_graph_breaks_planned_within_one_budget(factory: Callable[[], nn.Module], graphs: int) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(512, 64)
+    budget = int(0.9 * _store_all_peak(factory, x))
+    torch.manual_seed(0)
+    model = factory()
+    eager = copy.deepcopy(model)
+    backend = rockplan.backend(budget)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    first = measure_step(_step, compiled, x)  # Dynamo captures and we plan inside this step
+    torch.testing.assert_close(first.result, _step(eager, x), rtol=1e-5, atol=1e-6)
+    _assert_same_step(model, eager)
+    assert len(backend.graphs) == graphs
+    assert _recomputes(backend), "the budget is below storing everything: some graph must recompute"
+    assert first.peak <= budget, f"first step (capture included) peaked at {first.peak} B, budget {budget} B"
+    # Later graphs are planned against what the earlier ones hold, and the step's parameter gradients.
+    assert backend.graphs[1].pending >= backend.graphs[0].held > 0
+    assert all(g.reserved == sum(p.numel() * 4 for p in model.parameters()) for g in backend.graphs)
+    for module in (model, eager):
+        module.zero_grad(set_to_none=True)
+    second = measure_step(_step, compiled, x)
+    torch.testing.assert_close(second.result, _step(eager, x), rtol=1e-5, atol=1e-6)
+    _assert_same_step(model, eager)
+    assert second.peak <= budget
+    assert len(backend.graphs) == graphs  # the guards held: nothing compiled again
+
+
+def test_zoo_model_without_breaks_is_one_graph() -> None:
+    model, args, kwargs, _loss = zoo.make("gpt", "tiny")
+    eager = copy.deepcopy(model)
+
+    def step(m: Callable) -> torch.Tensor:
+        torch.manual_seed(1)
+        out = m(*args, **kwargs)
+        out.backward(torch.ones_like(out))
+        return out
+
+    probe = Rockmate(copy.deepcopy(model), (args, kwargs), 1.0, solver="store_all")
+    budget = max(int(0.7 * probe.store_all_peak), 2 * sum(p.numel() * 4 for p in model.parameters()))
+    backend = rockplan.backend(budget, solver_options={"time_limit": 10})
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    planned = measure_step(step, compiled)
+    torch.testing.assert_close(planned.result, step(eager), rtol=1e-4, atol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=f"gradient of {name}")
+    assert len(backend.graphs) == 1
+    assert planned.peak <= budget
+
+
+def test_rockmate_falls_back_to_dynamo_on_a_graph_break() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(512, 64)
+    budget = int(0.9 * _store_all_peak(_Branching, x))
+    torch.manual_seed(0)
+    model = _Branching()
+    eager = copy.deepcopy(model)
+    rk = Rockmate(model, x, budget)  # whole-graph capture fails on the branch: no error
+    with pytest.raises(RuntimeError, match="graph breaks"):
+        _ = rk.plan
+    planned = measure_step(_step, rk, x)
+    torch.testing.assert_close(planned.result, _step(eager, x), rtol=1e-5, atol=1e-6)
+    _assert_same_step(model, eager)
+    assert len(rk.graph_plans) == 2 and planned.peak <= budget
+    rk.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(rk(x), eager.eval()(x))
+
+
+def test_rockmate_with_graph_breaks_states_what_it_needs() -> None:
+    x = torch.randn(512, 64)
+    with pytest.raises(ValueError, match="in bytes"):
+        Rockmate(_Branching(), x, 0.5)
+    rk = Rockmate(_Branching(), x, 10_000)
+    with pytest.raises(InfeasibleBudget, match="graph 0"):
+        _step(rk, x)
+
+
+def test_ratio_budgets_are_refused_by_the_backend() -> None:
+    with pytest.raises(ValueError, match="bytes"):
+        rockplan.backend(0.5)
+
+
+def test_autograd_ops_outside_the_graphs_are_refused_with_the_op_and_a_remedy() -> None:
+    model = _EagerBetween()
+    compiled = torch.compile(model, backend=rockplan.backend(10**9), dynamic=False)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as failure:
+        _step(compiled, torch.randn(64, 64))
+    error = failure.value.inner_exception
+    assert isinstance(error, CaptureError)
+    message = str(error)
+    assert "Mul" in message and "outside" in message and "custom_op" in message
