@@ -43,7 +43,7 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 from rkgraph.rewrites import lean_rewrites  # noqa: E402
 from rkgraph.units import format_bytes  # noqa: E402
 from rockplan import Rockmate, zoo  # noqa: E402
-from rockplan.memory import measure_step, steady_cpu_heap  # noqa: E402
+from rockplan.memory import cuda_blocks_fit_requests, measure_step, steady_cpu_heap  # noqa: E402
 from solvers import RUNTIME_SOLVERS, InfeasibleBudget, InvalidSchedule  # noqa: E402
 from solvers.bounds import time_lower_bound  # noqa: E402
 
@@ -330,7 +330,9 @@ def main(argv: list[str] | None = None) -> None:
         solvers.insert(0, "ilp")
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     if torch.cuda.is_available():
-        heap = "CUDA caching allocator"
+        heap = ("CUDA caching allocator, expandable segments" if cuda_blocks_fit_requests() else
+                "CUDA caching allocator, default segments (cached blocks may be handed over whole: "
+                "`rockplan.memory.cuda_blocks_fit_requests`)")
     elif not args.default_heap and steady_cpu_heap():
         heap = "CPU heap: glibc's malloc thresholds fixed (mmap 32 MiB, no trim; `steady_cpu_heap`)"
     else:
