@@ -23,6 +23,7 @@ from torch._dynamo.backends.debugging import boxed_nop
 from rkgraph.capture import FlatCall, flat_tensors, flatten_call, joint_graph, trace, training_function
 from rkgraph.graph import RematGraph
 from rkgraph.rewrites import apply_rewrites
+from rockplan.budget import check_gradients_fit
 from rockplan.codegen import generate
 from rockplan.decisions import decide
 from rockplan.explain import explain
@@ -93,6 +94,7 @@ class Rockmate(nn.Module):
         plan_file: str | Path | None = None,
     ) -> None:
         super().__init__()
+        check_gradients_fit(budget, model)
         if backend not in ("eager", "inductor"):
             raise ValueError(f"unknown backend {backend!r}; choose 'eager' or 'inductor'")
         self.model = model
@@ -173,6 +175,12 @@ class Rockmate(nn.Module):
         else:
             compiled = training_function(self.model, flat, plan_and_generate, boxed_nop)
         trace(self.model, flat, compiled, args, kwargs, native_kernels=self.backend != "inductor")
+        if not planned:  # AOTAutograd partitions only a step with a backward
+            raise ValueError(
+                f"no output of {type(self.model).__name__} requires grad for this input: there is no backward to "
+                "plan. Return the loss (or what it is computed from) from forward; outputs that need no grad "
+                "(argmax, detached tensors, None) may come beside it. Evaluate under torch.no_grad() or after "
+                "rk.eval(), where the model runs as it is.")
         step = PlannedStep(planned[0], compiled, flat, time.perf_counter() - start)
         self._steps[_signature(self.model, args, kwargs)] = step
         return step

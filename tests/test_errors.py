@@ -1,0 +1,131 @@
+"""Faults a user meets first: each is supported (and compared with eager PyTorch) or refused
+with an error that says what is wrong and what to do, as early as it can be known."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from rockplan import Rockmate, zoo
+from rockplan.budget import budget_bytes, parse_budget
+from solvers import InfeasibleBudget
+
+
+class _NeverTraced(nn.Module):
+    """A model whose forward must not run: what is refused before capture never gets there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1000))  # 4000 bytes of gradient
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("the forward was traced")
+
+
+def _eager_and_planned(model: nn.Module, *args: torch.Tensor, budget: float | int | str = 1.0, **options):
+    planned_model = _copy(model)
+    return model, Rockmate(planned_model, args, budget, profile="estimate", **options)
+
+
+def _copy(model: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(model)
+
+
+# --- budgets -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget, expected", [
+    (np.int64(4096), 4096),
+    (4096, 4096),
+    ("4096", 4096),
+    ("4KiB", 4096),
+    (" 1.5 kb ", 1500),
+    (np.float32(0.5), None),
+    (0.5, None),
+    ("0.5", None),
+    (".25", None),
+])
+def test_budget_forms(budget: object, expected: int | None) -> None:
+    assert budget_bytes(budget) == expected
+
+
+def test_a_numeric_string_is_the_ratio_the_command_line_reads() -> None:
+    assert parse_budget("0.5", 1000) == 500 == parse_budget(np.float64(0.5), 1000)
+
+
+@pytest.mark.parametrize("budget, error, match", [
+    ("0", ValueError, "must be positive"),
+    ("0.0001 B", ValueError, "must be positive"),
+    ("1.5", ValueError, r"ratio budget must be in \(0, 1\]"),
+    (np.float64(2.0), ValueError, r"ratio budget must be in \(0, 1\]"),
+    (np.int32(-3), ValueError, "must be positive"),
+    ("half", ValueError, "cannot read budget"),
+    (True, TypeError, "budget must be bytes"),
+    (None, TypeError, "budget must be bytes"),
+    ([1], TypeError, "budget must be bytes"),
+])
+def test_bad_budgets_are_refused_before_capture(budget: object, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        Rockmate(_NeverTraced(), torch.zeros(1), budget)
+
+
+@pytest.mark.parametrize("budget", [3999, "3.9KB", np.int64(100)])
+def test_a_budget_below_the_gradients_is_refused_before_capture(budget: object) -> None:
+    with pytest.raises(InfeasibleBudget, match=r"smallest feasible budget is at least 4000 bytes .* gradients"):
+        Rockmate(_NeverTraced(), torch.zeros(1), budget)
+
+
+def test_a_budget_above_the_gradients_goes_on_to_capture() -> None:
+    with pytest.raises(Exception, match="the forward was traced"):
+        Rockmate(_NeverTraced(), torch.zeros(1), 4000)
+
+
+# --- outputs that need no gradient -----------------------------------------------------------------
+
+
+class _LossAndPrediction(nn.Module):
+    """Returns the loss beside outputs that need no gradient, as training loops do."""
+
+    def __init__(self, extra: str) -> None:
+        super().__init__()
+        self.extra = extra
+        self.body = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 4))
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        logits = self.body(x)
+        loss = logits.logsumexp(-1).mean()
+        if self.extra == "argmax":
+            return loss, logits.argmax(-1)
+        if self.extra == "detached":
+            return loss, logits.detach()
+        if self.extra == "none":
+            return loss, None
+        return logits.argmax(-1), (logits > 0).sum()  # nothing that needs a gradient
+
+
+@pytest.mark.parametrize("extra", ["argmax", "detached", "none"])
+def test_outputs_that_need_no_gradient_are_forward_outputs(extra: str) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    eager, rk = _eager_and_planned(_LossAndPrediction(extra), x)
+    expected, got = eager(x), rk(x)
+    expected[0].backward()
+    got[0].backward()
+    assert type(got) is tuple and len(got) == 2
+    torch.testing.assert_close(got[0], expected[0])
+    if expected[1] is None:
+        assert got[1] is None
+    else:
+        assert not got[1].requires_grad
+        torch.testing.assert_close(got[1], expected[1])
+    for p, q in zip(eager.parameters(), rk.parameters()):
+        torch.testing.assert_close(q.grad, p.grad)
+
+
+def test_a_step_with_no_output_that_needs_a_gradient_says_what_to_return() -> None:
+    with pytest.raises(ValueError, match="no output of _LossAndPrediction requires grad.*Return the loss"):
+        Rockmate(_LossAndPrediction("nothing"), torch.randn(16, 8), profile="estimate")
