@@ -15,7 +15,9 @@ same costs for the ops both graphs share, and the faster plan is returned.
 
 from __future__ import annotations
 
+import inspect
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,12 +33,17 @@ from rkgraph.units import format_bytes
 from rockplan.budget import parse_budget
 from rockplan.plan_file import PlanMismatch, load_plan
 from solvers import RUNTIME_SOLVERS, InfeasibleBudget, Schedule, simulate, solve_store_all, solver_options
-from solvers.bounds import time_lower_bound
+from solvers.bounds import budget_bounds, time_lower_bound
 
 log = logging.getLogger(__name__)
 
 Profile = Literal["measure", "estimate"] | Mapping[str, float]
 DEFAULT_SOLVER = "rockmate"  # the portfolio: every strategy tried, the fastest plan kept
+
+
+class OutOfTime(InfeasibleBudget):
+    """The solver stopped without a schedule at a budget above the proven floor: one may exist,
+    and more time (or a larger budget) may find it."""
 
 
 @dataclass(frozen=True)
@@ -170,7 +177,11 @@ def _solve(graph: RematGraph, budget: int, options: PlanOptions,
         given = dict(options.solver_options)
         if floor is not None and "floor" in solver_options(options.solver):
             given.setdefault("floor", floor)
-        schedule = RUNTIME_SOLVERS[options.solver](graph, budget, **given)
+        started = time.perf_counter()
+        try:
+            schedule = RUNTIME_SOLVERS[options.solver](graph, budget, **given)
+        except InfeasibleBudget as e:
+            raise _refusal(graph, budget, options, time.perf_counter() - started) from e
     result = simulate(graph, schedule)
     if result.peak > budget:
         raise InfeasibleBudget(
@@ -179,3 +190,26 @@ def _solve(graph: RematGraph, budget: int, options: PlanOptions,
             f"{result.peak} bytes ({format_bytes(result.peak)}), what the generated code holds included "
             f"(copies of mutated buffers, recorded generator states)")
     return schedule
+
+
+def _refusal(graph: RematGraph, budget: int, options: PlanOptions, seconds: float) -> InfeasibleBudget:
+    """A solver's refusal of `budget`, as the user should read it whatever the solver. Below the
+    proven floor, the floor. Above it the solver gave up (its time limit ran out, or its search
+    does not cover every schedule) and nothing is proven: OutOfTime, saying how to give it more
+    time, and from which budget a schedule is known."""
+    bounds = budget_bounds(graph)
+    if budget < bounds.lower:
+        return InfeasibleBudget(f"budget {budget} bytes ({format_bytes(budget)}) is too small: {bounds.describe()}")
+    known = (f"a schedule is known from {bounds.upper} bytes ({format_bytes(bounds.upper)}), and none can peak "
+             f"below {bounds.lower} bytes ({format_bytes(bounds.lower)})")
+    parameter = inspect.signature(RUNTIME_SOLVERS[options.solver]).parameters.get("time_limit")
+    if parameter is None:
+        return OutOfTime(f"solver {options.solver!r} found no schedule within {budget} bytes ({format_bytes(budget)}), "
+                         f"but its search does not cover every schedule: {known}. Use the default solver "
+                         f"{DEFAULT_SOLVER!r}, or a budget of at least {bounds.upper} bytes")
+    limit = options.solver_options.get("time_limit", parameter.default)
+    stopped = "ran out of its time limit" if seconds >= limit else "stopped"
+    return OutOfTime(f"solver {options.solver!r} {stopped} ({seconds:.1f} s, time_limit={limit:g} s) without a "
+                     f"schedule within {budget} bytes ({format_bytes(budget)}); one may exist: {known}. Give it more "
+                     f"time with solver_options={{'time_limit': {max(2 * limit, 10 * seconds, 60):.0f}}}, or a budget "
+                     f"of at least {bounds.upper} bytes")

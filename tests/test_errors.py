@@ -129,3 +129,29 @@ def test_outputs_that_need_no_gradient_are_forward_outputs(extra: str) -> None:
 def test_a_step_with_no_output_that_needs_a_gradient_says_what_to_return() -> None:
     with pytest.raises(ValueError, match="no output of _LossAndPrediction requires grad.*Return the loss"):
         Rockmate(_LossAndPrediction("nothing"), torch.randn(16, 8), profile="estimate")
+
+
+# --- solvers that give up ----------------------------------------------------------------------------
+
+
+def _mlp_with_loss() -> tuple[nn.Module, tuple]:
+    model, args, _, loss_fn = zoo.make("mlp", "tiny")
+    return zoo.WithLoss(model, loss_fn), args
+
+
+def test_a_solver_out_of_time_says_so_and_how_to_give_it_more() -> None:
+    model, args = _mlp_with_loss()
+    # No attempt within no time: the solver gives up at a budget where a schedule exists.
+    with pytest.raises(InfeasibleBudget) as refused:
+        Rockmate(model, args, 0.9, solver="saved_values", solver_options={"time_limit": 0, "attempts": 0},
+                 profile="estimate")
+    message = str(refused.value)
+    assert "ran out of its time limit" in message and "solver_options={'time_limit': " in message, message
+    assert "a schedule is known from" in message and "too small" not in message, message
+
+
+def test_a_solver_below_the_floor_states_the_floor_whatever_the_solver() -> None:
+    model, args = _mlp_with_loss()
+    with pytest.raises(InfeasibleBudget, match="too small: the smallest feasible budget") as refused:
+        Rockmate(model, args, 0.05, solver="saved_values", profile="estimate")
+    assert "time" not in str(refused.value)
