@@ -234,6 +234,7 @@ def trace(
     with (
         preserved_rng(),  # ops with no tensor inputs run for real in the fake forward, draws included
         _native_kernels() if native_kernels else contextlib.nullcontext(),
+        _side_effects_kept(),
         _module_path_annotations(model),
         fx_traceback.preserve_node_meta(),
         torch.enable_grad(),
@@ -272,6 +273,29 @@ def joint_graph(flat: FlatCall, joint: fx.GraphModule, num_fwd_outputs: int) -> 
     primals = [p.name for p in joint.graph.find_nodes(op="placeholder") if not is_tangent(p)]
     mutated = frozenset(primals[i] for i in flat.mutated)
     return JointGraph(joint, num_fwd_outputs, kinds, names, mutated)
+
+
+# Ops that act without an output, which fx does not count as side effects: dead-code
+# elimination drops them from the traced graph (`torch._assert_async(cond)` without a message).
+_UNMARKED_SIDE_EFFECTS = (torch.ops.aten._assert_async.default,)
+
+
+def has_side_effect(node: fx.Node) -> bool:
+    """An op that must run although nothing reads its result: an assertion, or any op fx keeps
+    through dead-code elimination (a mutation, a draw from a generator)."""
+    return node.op == "call_function" and (node.target in _UNMARKED_SIDE_EFFECTS or node.is_impure())
+
+
+@contextlib.contextmanager
+def _side_effects_kept():
+    """Count `_UNMARKED_SIDE_EFFECTS` as side effects while tracing, so that AOTAutograd keeps
+    them as eager runs them; fx's table is restored on exit."""
+    added = [op for op in _UNMARKED_SIDE_EFFECTS if op not in fx.node._side_effectful_functions]
+    fx.node._side_effectful_functions.update(added)
+    try:
+        yield
+    finally:
+        fx.node._side_effectful_functions.difference_update(added)
 
 
 # Ops whose Python decomposition torch._decomp registers for the Autograd and

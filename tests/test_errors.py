@@ -155,3 +155,41 @@ def test_a_solver_below_the_floor_states_the_floor_whatever_the_solver() -> None
     with pytest.raises(InfeasibleBudget, match="too small: the smallest feasible budget") as refused:
         Rockmate(model, args, 0.05, solver="saved_values", profile="estimate")
     assert "time" not in str(refused.value)
+
+
+# --- side effects without an output ------------------------------------------------------------------
+
+
+class _Checked(nn.Module):
+    """Asserts on an activation, as models check their inputs or the finiteness of a value."""
+
+    def __init__(self, message: bool) -> None:
+        super().__init__()
+        self.message = message
+        layers = [nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(6)]
+        self.body = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), *layers, nn.Linear(64, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.body[0](x)
+        in_range = (hidden.abs() < 1e3).all()
+        if self.message:
+            torch._assert_async(in_range, "activation out of range")
+        else:
+            torch._assert_async(in_range)
+        return self.body[1:](hidden).logsumexp(-1).mean()
+
+
+@pytest.mark.parametrize("message", [False, True])
+def test_an_assertion_in_the_forward_is_kept(message: bool) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(512, 8)
+    eager, rk = _eager_and_planned(_Checked(message), x, budget=0.7)
+    assert rk.schedule.predicted_time > rk.store_all_time  # the plan recomputes
+    eager(x).backward()
+    rk(x).backward()
+    for p, q in zip(eager.parameters(), rk.parameters()):
+        torch.testing.assert_close(q.grad, p.grad)
+    with pytest.raises(RuntimeError):
+        eager(x * 1e6)
+    with pytest.raises(RuntimeError):
+        rk(x * 1e6)
