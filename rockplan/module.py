@@ -199,7 +199,7 @@ class Rockmate(nn.Module):
             step = self._plan(args, kwargs)
         self._current = step
         out = step.compiled(*flat_tensors(self.model, step.flat, args, kwargs))
-        return tuple(out) if step.flat.returns_tuple else out
+        return step.flat.result(self.model, out)
 
     def train(self, mode: bool = True) -> Rockmate:
         super().train(mode)

@@ -193,3 +193,65 @@ def test_an_assertion_in_the_forward_is_kept(message: bool) -> None:
         eager(x * 1e6)
     with pytest.raises(RuntimeError):
         rk(x * 1e6)
+
+
+# --- tensors a forward leaves on its modules ------------------------------------------------------------
+
+
+class _RoutedBlock(nn.Module):
+    """A mixture-of-experts block as MoE code writes it: the router's load-balancing loss is
+    stored on the module during the forward and read by the training loop afterwards."""
+
+    def __init__(self, width: int = 32, experts: int = 4) -> None:
+        super().__init__()
+        self.router = nn.Linear(width, experts)
+        self.experts = nn.Parameter(torch.randn(experts, width, width) / width**0.5)
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gates = self.router(x).softmax(-1)  # dense routing: every expert, weighted
+        self.aux_loss = (gates.mean(0) ** 2).sum() * gates.shape[-1]
+        return x + torch.tanh(torch.einsum("be,eij,bj->bi", gates, self.experts, x))
+
+
+class _MoE(nn.Module):
+    def __init__(self, container: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(_RoutedBlock() for _ in range(4)))
+        self.container = container
+        self.losses: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.blocks(x)
+        if self.container:
+            self.losses.append(out.mean())
+        return out.pow(2).mean()
+
+
+def _aux_losses(model: _MoE) -> torch.Tensor:
+    return sum(block.aux_loss for block in model.blocks)
+
+
+def test_an_auxiliary_loss_stored_on_a_module_is_set_after_each_step() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(256, 32)
+    eager, rk = _eager_and_planned(_MoE(), x, budget=0.7)
+    planned = rk.model
+    assert all(block.aux_loss is None for block in planned.blocks)  # planning left the model as it was
+    assert rk.schedule.predicted_time > rk.store_all_time  # the plan recomputes
+    for step in range(2):
+        x = torch.randn(256, 32)
+        expected, got = eager(x), rk(x)
+        assert all(isinstance(b.aux_loss, torch.Tensor) and b.aux_loss.grad_fn is not None for b in planned.blocks)
+        torch.testing.assert_close(_aux_losses(planned), _aux_losses(eager))
+        (expected + 0.1 * _aux_losses(eager)).backward()
+        (got + 0.1 * _aux_losses(planned)).backward()
+        for (name, p), q in zip(eager.named_parameters(), planned.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, msg=f"gradient of {name} at step {step}")
+
+
+def test_tensors_added_to_a_module_container_are_refused_naming_it() -> None:
+    model = _MoE(container=True)
+    with pytest.raises(RuntimeError, match=r"adds tensors to losses \(a list\) in place.*Return the tensor"):
+        Rockmate(model, torch.randn(256, 32), profile="estimate")
+    assert model.losses == [] and all(block.aux_loss is None for block in model.blocks)
