@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +80,13 @@ class Rockmate(nn.Module):
     model and sample then plan on the same costs (measured profiles vary from run to run on a
     busy machine; a comparison of budgets or solvers should not).
     `solver_options` are the solver's keyword arguments; one it does not take is an error.
+
+    A plan is for one input signature (shapes, dtypes, devices, structure): a training step on
+    another input plans again, inside the step, with a warning the first time and a log line at
+    INFO after ("error" for `on_new_input` refuses it instead). The `max_plans` most recently used
+    plans are held; older ones are dropped and made again if their input comes back.
+    Pickling (`torch.save(rk)`, `copy.deepcopy`) keeps the model and how to plan, not the plans
+    (their steps are compiled closures): they are made again at the first training step.
     """
 
     def __init__(
@@ -92,9 +101,12 @@ class Rockmate(nn.Module):
         on_new_input: Literal["replan", "error"] = "replan",
         solver_options: dict | None = None,
         plan_file: str | Path | None = None,
+        max_plans: int = 8,
     ) -> None:
         super().__init__()
         check_gradients_fit(budget, model)
+        if max_plans < 1:
+            raise ValueError(f"max_plans must be at least 1, got {max_plans}")
         if backend not in ("eager", "inductor"):
             raise ValueError(f"unknown backend {backend!r}; choose 'eager' or 'inductor'")
         self.model = model
@@ -106,7 +118,9 @@ class Rockmate(nn.Module):
         self.options = PlanOptions(solver=solver, solver_options=dict(solver_options or {}), profile=profile,
                                    plan_file=plan_file, replay_rng=backend != "inductor",
                                    lean_variant=backend != "inductor", name=type(model).__name__)
-        self._steps: dict[tuple, PlannedStep] = {}
+        self.max_plans = max_plans
+        self._steps: OrderedDict[tuple, PlannedStep] = OrderedDict()  # least recently used first
+        self._replanned = False  # warned once, logged after
         args, kwargs = _split_sample(sample)
         self._sample_signature = _signature(model, args, kwargs)
         self._current = self._plan(args, kwargs)
@@ -115,6 +129,9 @@ class Rockmate(nn.Module):
     @property
     def plan(self) -> Plan:
         """The plan for the last input signature seen (the sample's until another is run)."""
+        if self._current is None:
+            raise RuntimeError("no plan yet: plans are not pickled, and this Rockmate was loaded or copied; "
+                               "its first training step plans again")
         return self._current.plan
 
     @property
@@ -156,6 +173,10 @@ class Rockmate(nn.Module):
     def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self.model.load_state_dict(*args, **kwargs)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The planned steps are AOTAutograd closures, which cannot be pickled: planned again.
+        return {**self.__dict__, "_steps": OrderedDict(), "_current": None}
+
     # --- planning ------------------------------------------------------------------------------
     def _plan(self, args: tuple, kwargs: dict) -> PlannedStep:
         """Capture the step on fake tensors and plan it, inside AOTAutograd's partition step."""
@@ -183,6 +204,8 @@ class Rockmate(nn.Module):
                 "rk.eval(), where the model runs as it is.")
         step = PlannedStep(planned[0], compiled, flat, time.perf_counter() - start)
         self._steps[_signature(self.model, args, kwargs)] = step
+        while len(self._steps) > self.max_plans:
+            self._steps.popitem(last=False)
         return step
 
     # --- running -------------------------------------------------------------------------------
@@ -192,14 +215,31 @@ class Rockmate(nn.Module):
         signature = _signature(self.model, args, kwargs)
         step = self._steps.get(signature)
         if step is None:
-            if self.on_new_input == "error":
+            new = signature != self._sample_signature  # or the sample's plan was dropped, or not pickled
+            if new and self.on_new_input == "error":
                 difference = _describe_difference(self._sample_signature, signature)
                 raise ValueError(f"input differs from the planned sample: {difference}; "
                                  "pass on_new_input='replan' to plan for it")
             step = self._plan(args, kwargs)
+            self._report_replan(step, signature)
+        else:
+            self._steps.move_to_end(signature)
         self._current = step
         out = step.compiled(*flat_tensors(self.model, step.flat, args, kwargs))
         return step.flat.result(self.model, out)
+
+    def _report_replan(self, step: PlannedStep, signature: tuple) -> None:
+        """Planning inside a training step takes seconds to minutes: say so, with what changed."""
+        what = ("the sample's input again" if signature == self._sample_signature
+                else f"a new input ({_describe_difference(self._sample_signature, signature)})")
+        message = (f"{type(self.model).__name__}: planned for {what} in {step.plan_time:.1f} s; "
+                   f"{len(self._steps)} plan(s) held, at most max_plans={self.max_plans}")
+        if self._replanned:
+            log.info(message)
+            return
+        self._replanned = True
+        warnings.warn(f"{message}. Each new input signature (shape, dtype) is planned in its training step: pad "
+                      "inputs to a few shapes, or pass on_new_input='error' to refuse new ones", stacklevel=2)
 
     def train(self, mode: bool = True) -> Rockmate:
         super().train(mode)
