@@ -31,7 +31,7 @@ from rockplan.decisions import decide
 from rockplan.explain import explain
 from rockplan.inductor import decompositions, inductor_compiler
 from rockplan.plan_file import export_plan
-from rockplan.planner import DEFAULT_SOLVER, Plan, PlanOptions, plan
+from rockplan.planner import DEFAULT_SOLVER, Plan, PlanOptions, plan, reuse
 from rockplan.plots import plot_memory
 from solvers import Schedule
 
@@ -83,7 +83,10 @@ class Rockmate(nn.Module):
 
     A plan is for one input signature (shapes, dtypes, devices, structure): a training step on
     another input plans again, inside the step, with a warning the first time and a log line at
-    INFO after ("error" for `on_new_input` refuses it instead). The `max_plans` most recently used
+    INFO after ("error" for `on_new_input` refuses it instead). With "reuse", a held plan runs the
+    new input when its graph is the same up to sizes and the simulator finds the plan within the
+    budget there: give the largest input as the sample, and smaller ones are captured but not
+    solved (they recompute what a plan of their own might keep). The `max_plans` most recently used
     plans are held; older ones are dropped and made again if their input comes back.
     Pickling (`torch.save(rk)`, `copy.deepcopy`) keeps the model and how to plan, not the plans
     (their steps are compiled closures): they are made again at the first training step.
@@ -98,7 +101,7 @@ class Rockmate(nn.Module):
         solver: str = DEFAULT_SOLVER,
         profile: Literal["measure", "estimate"] | Mapping[str, float] = "measure",
         backend: Literal["eager", "inductor"] = "eager",
-        on_new_input: Literal["replan", "error"] = "replan",
+        on_new_input: Literal["replan", "reuse", "error"] = "replan",
         solver_options: dict | None = None,
         plan_file: str | Path | None = None,
         max_plans: int = 8,
@@ -107,6 +110,8 @@ class Rockmate(nn.Module):
         check_gradients_fit(budget, model)
         if max_plans < 1:
             raise ValueError(f"max_plans must be at least 1, got {max_plans}")
+        if on_new_input not in ("replan", "reuse", "error"):
+            raise ValueError(f"unknown on_new_input {on_new_input!r}; choose 'replan', 'reuse' or 'error'")
         if backend not in ("eager", "inductor"):
             raise ValueError(f"unknown backend {backend!r}; choose 'eager' or 'inductor'")
         self.model = model
@@ -187,7 +192,9 @@ class Rockmate(nn.Module):
 
         def plan_and_generate(joint_module: fx.GraphModule, _inputs: Any, *, num_fwd_outputs: int, **_: Any):
             joint = apply_rewrites(joint_graph(flat, joint_module, num_fwd_outputs))
-            planned.append(plan(joint, self.budget_spec, self.options, real))
+            held = [s.plan for s in reversed(self._steps.values())] if self.on_new_input == "reuse" else []
+            reused = (reuse(joint, self.budget_spec, self.options, p, real) for p in held)
+            planned.append(next(filter(None, reused), None) or plan(joint, self.budget_spec, self.options, real))
             return generate(planned[0].joint, planned[0].graph, planned[0].schedule)
 
         if self.backend == "inductor":
@@ -239,7 +246,8 @@ class Rockmate(nn.Module):
             return
         self._replanned = True
         warnings.warn(f"{message}. Each new input signature (shape, dtype) is planned in its training step: pad "
-                      "inputs to a few shapes, or pass on_new_input='error' to refuse new ones", stacklevel=2)
+                      "inputs to a few shapes, pass on_new_input='reuse' with the largest input as the sample, or "
+                      "'error' to refuse new ones", stacklevel=2)
 
     def train(self, mode: bool = True) -> Rockmate:
         super().train(mode)

@@ -32,7 +32,15 @@ from rkgraph.rewrites import lean_variant
 from rkgraph.units import format_bytes
 from rockplan.budget import parse_budget
 from rockplan.plan_file import PlanMismatch, load_plan
-from solvers import RUNTIME_SOLVERS, InfeasibleBudget, Schedule, simulate, solve_store_all, solver_options
+from solvers import (
+    RUNTIME_SOLVERS,
+    InfeasibleBudget,
+    InvalidSchedule,
+    Schedule,
+    simulate,
+    solve_store_all,
+    solver_options,
+)
 from solvers.bounds import budget_bounds, time_lower_bound
 
 log = logging.getLogger(__name__)
@@ -154,6 +162,50 @@ def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = Pl
     return Plan(chosen_joint, chosen_graph, schedule, budget,
                 reference if chosen_graph is graph else solve_store_all(chosen_graph), reference,
                 {n.name: n.time for n in graph.nodes}, considered)
+
+
+def reuse(joint: JointGraph, budget: int | float | str, options: PlanOptions, previous: Plan,
+          real_inputs: list[torch.Tensor] | None = None) -> Plan | None:
+    """`previous`'s schedule on `joint` when it is the same step at other shapes (the same nodes
+    reading and making the same values, only their sizes differ) and the simulator finds it
+    within `budget` there; None otherwise. No solver runs: planning at the largest input
+    covers smaller ones, at the cost of recomputing what they could have kept. Costs: the
+    previous plan's node times (measured ones keep their order across shapes), with kernels'
+    scratch measured again on `real_inputs`, since the budget check needs it."""
+    graph = build_graph(joint, name=options.name, replay_rng=options.replay_rng)
+    variant = None
+    if _structure(graph) != _structure(previous.graph):
+        variant = lean_variant(joint) if options.lean_variant else None
+        if variant is None or _structure(build_graph(variant, replay_rng=options.replay_rng)) != _structure(
+                previous.graph):
+            return None
+    if set(previous.times) != {n.name for n in graph.nodes}:
+        return None
+    graph = costed_graph(joint, real_inputs, "estimate" if options.profile == "estimate" else previous.times, options)
+    reference = solve_store_all(graph)
+    budget = parse_budget(budget, reference.predicted_peak)
+    chosen_joint, chosen = (joint, graph) if variant is None else (variant, costed_graph(
+        variant, real_inputs, "estimate" if options.profile == "estimate" else "measure", options, shared=graph))
+    try:
+        result = simulate(chosen, previous.schedule)
+    except InvalidSchedule:
+        return None
+    if result.peak > budget:
+        log.info("the held plan peaks at %s on the new input, above the budget of %s: planning anew",
+                 format_bytes(result.peak), format_bytes(budget))
+        return None
+    old = previous.schedule
+    schedule = Schedule(old.ops, old.forward_length, solver=old.solver, budget=budget, predicted_peak=result.peak,
+                        predicted_time=result.time, extra={**old.extra, "reused": True})
+    log.info("reused the held plan: peak %s within the budget of %s", format_bytes(result.peak), format_bytes(budget))
+    return Plan(chosen_joint, chosen, schedule, budget, reference if variant is None else solve_store_all(chosen),
+                reference, {n.name: n.time for n in graph.nodes}, {})
+
+
+def _structure(graph: RematGraph) -> tuple:
+    """What a schedule depends on: the nodes, what each reads and makes, and the outputs."""
+    return (tuple((n.name, n.op, n.inputs, n.outputs, n.backward) for n in graph.nodes),
+            graph.forward_outputs, graph.backward_outputs, graph.user_outputs)
 
 
 def costed_graph(joint: JointGraph, real_inputs: list[torch.Tensor] | None, profile: Profile,

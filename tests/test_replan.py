@@ -76,3 +76,26 @@ def test_a_rockmate_pickles_and_plans_again_at_its_first_step(how: str) -> None:
     with pytest.raises(ValueError, match="differs from the planned sample"):
         loaded(_mlp(8))
     pickle.dumps(loaded)  # and again, with plans made
+
+
+def test_a_plan_at_the_largest_input_runs_smaller_ones_when_the_simulator_fits_it() -> None:
+    model, (idx,), _, _ = zoo.make("gpt", "tiny")
+    probe = Rockmate(copy.deepcopy(model), idx, 1.0, solver="store_all", profile="estimate")
+    budget = int(0.6 * probe.store_all_peak)  # bytes: the same for every input
+    rk = Rockmate(copy.deepcopy(model), idx, budget, profile="estimate", on_new_input="reuse")
+    largest = rk.plan
+    assert largest.schedule.predicted_peak < probe.store_all_peak
+    shorter = idx[:, : idx.shape[1] // 2].clone()
+    with pytest.warns(UserWarning, match="planned for a new input"):
+        torch.manual_seed(1)
+        out = rk(shorter)
+    assert rk.plan is not largest and rk.plan.schedule.extra.get("reused") is True
+    assert rk.plan.schedule.ops == largest.schedule.ops
+    assert rk.plan.schedule.predicted_peak <= budget
+    torch.manual_seed(1)
+    expected = model(shorter)
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    expected.sum().backward()
+    for (name, p), q in zip(model.named_parameters(), rk.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=f"gradient of {name}")
