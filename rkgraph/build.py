@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from rkgraph.capture import JointGraph, is_tangent
+from rkgraph.capture import JointGraph, has_side_effect, is_tangent
 from rkgraph.graph import SOURCE_KINDS, ComputeNode, DataNode, RematGraph
 
 # Ops whose output shares its input's storage although their schema does not say so.
@@ -192,6 +192,7 @@ def build_graph(joint: JointGraph, name: str = "", replay_rng: bool = True) -> R
 
     # 3. Compute nodes with exact output sizes and the workspace of their internal temporaries.
     nodes: list[ComputeNode] = []
+    effects: dict[bool, list[str]] = {False: [], True: []}  # forward's and backward's, see below
     for group in groups:
         outs, inputs, workspace, releases = _group_dataflow(group, storages, escaping)
         head = group.head
@@ -199,6 +200,12 @@ def build_graph(joint: JointGraph, name: str = "", replay_rng: bool = True) -> R
         draws_random = bool(draws)
         for s in outs:
             data[s] = DataNode(s, _tensor_bytes(storages.root_of[s].meta.get("val")), "activation", head.name)
+        if not outs and has_side_effect(head):
+            # Nothing reads what it does (an assertion): a zero-byte value the step must
+            # produce, as a forward output or a gradient, keeps it in every schedule.
+            data[head.name] = DataNode(head.name, 0, "activation", head.name)
+            outs = [head.name]
+            effects[is_backward(head)].append(head.name)
         nodes.append(ComputeNode(
             name=head.name,
             inputs=tuple(inputs),
@@ -221,7 +228,8 @@ def build_graph(joint: JointGraph, name: str = "", replay_rng: bool = True) -> R
     n_fwd = joint.num_fwd_outputs
     # AOTAutograd lists the new values of mutated inputs first, then the user's outputs.
     user = storages_of(outputs[len(joint.mutated): n_fwd])
-    forward_outputs, gradients = storages_of(outputs[:n_fwd]), storages_of(outputs[n_fwd:])
+    forward_outputs = storages_of(outputs[:n_fwd]) + tuple(effects[False])
+    gradients = storages_of(outputs[n_fwd:]) + tuple(effects[True])
     # 4. Weight gradients as early as they can go where that frees more than it holds.
     nodes = hoist_gradients(nodes, data, frozenset(gradients), frozenset(forward_outputs))
     graph = RematGraph(nodes, data, forward_outputs, gradients, name=name,

@@ -11,12 +11,13 @@ the joint graph from here.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import inspect
 import logging
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ import torch.utils._pytree as pytree
 from torch import fx
 from torch._functorch.aot_autograd import aot_function, make_boxed_compiler
 from torch._functorch.partitioners import default_partition
-from torch._subclasses import FakeTensorMode
+from torch._subclasses import FakeTensor, FakeTensorMode
 from torch.func import functional_call
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,20 @@ PartitionFn = Callable[..., tuple[fx.GraphModule, fx.GraphModule]]
 
 class CaptureError(RuntimeError):
     """The model cannot be captured as one graph; the message says where and what to do."""
+
+
+def splits_into_graphs(error: CaptureError) -> bool:
+    """Whether capture failed where Dynamo ends a graph and runs the Python itself: a value read
+    from a tensor (a branch on it, `.item()`), an output whose shape depends on values
+    (`nonzero`, boolean masks), a tensor's data handed to NumPy. An error the model raises
+    itself, or a bad argument, is not one: the model would fail the same way under Dynamo."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    cause = error.__cause__
+    if isinstance(cause, (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)):
+        return True
+    return isinstance(cause, RuntimeError) and ".numpy() is not supported for tensor subclasses" in str(cause)
 
 
 class _PlanningFailed(Exception):
@@ -68,16 +83,40 @@ class FlatCall:
     # AOTAutograd hands a flat tuple of outputs back as a list (PytreeThunk's shortcut for
     # "simple" specs); the caller restores the tuple the model returned.
     returns_tuple: bool = False
+    # Tensors the forward assigns to module attributes (an auxiliary loss kept as
+    # `self.aux_loss`, read after the forward): per attribute, the module's path, the name, and
+    # the value's pytree spec with its non-tensor leaves. The step returns their tensors after
+    # the model's output, and `result` sets them on the modules, as eager's forward would.
+    attached: list[tuple[str, str, pytree.TreeSpec, list[Any]]] = field(default_factory=list)
 
     def tensors(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         leaves, _ = pytree.tree_flatten((args, kwargs))
         return [leaves[i] for i in self.tensor_positions]
 
     def unflatten(self, tensors: tuple[torch.Tensor, ...]) -> tuple[tuple, dict]:
-        leaves = list(self.leaves)
-        for pos, t in zip(self.tensor_positions, tensors):
-            leaves[pos] = t
-        return pytree.tree_unflatten(leaves, self.spec)
+        return pytree.tree_unflatten(_with_tensors(self.leaves, self.tensor_positions, tensors), self.spec)
+
+    def result(self, model: torch.nn.Module, out: Any) -> Any:
+        """The model's output from what the traced step returned; attached tensors set on `model`."""
+        if self.attached:
+            out, tensors = out
+            tensors = iter(tensors)
+            for path, name, spec, leaves in self.attached:
+                positions = [i for i, leaf in enumerate(leaves) if leaf is _TENSOR]
+                value = _with_tensors(leaves, positions, [next(tensors) for _ in positions])
+                setattr(model.get_submodule(path), name, pytree.tree_unflatten(value, spec))
+        return tuple(out) if self.returns_tuple else out
+
+
+_TENSOR = object()  # where an attached value's leaf is a tensor the step returns
+
+
+def _with_tensors(leaves: list[Any], positions: list[int], tensors: Iterable[torch.Tensor]) -> list[Any]:
+    """`leaves` with `tensors` put at `positions`."""
+    leaves = list(leaves)
+    for pos, t in zip(positions, tensors):
+        leaves[pos] = t
+    return leaves
 
 
 def is_tangent(node: fx.Node) -> bool:
@@ -134,12 +173,23 @@ def training_function(
 
     def flat_fn(*tensors: torch.Tensor) -> Any:
         args, kwargs = flat.unflatten(tensors[n_params + n_buffers:])
-        out = functional_call(model, dict(zip(names, tensors[: n_params + n_buffers])), args, kwargs)
+        before = _attributes(model)
+        try:
+            out = functional_call(model, dict(zip(names, tensors[: n_params + n_buffers])), args, kwargs)
+        finally:
+            attached = _take_attached(model, before)
         _register_dataclasses(out)
         flat.returns_tuple = type(out) is tuple
         # AOTAutograd functionalizes the call: a mutated input shows as a pending data mutation.
         flat.mutated.update(i for i, t in enumerate(tensors) if _has_data_mutation(t))
-        return out
+        flat.attached = []
+        returned: list[torch.Tensor] = []
+        for (path, name), value in attached.items():
+            leaves, spec = pytree.tree_flatten(value)
+            # Tensors from before the step (not traced) stay the objects they are.
+            flat.attached.append((path, name, spec, [_TENSOR if _traced(x) else x for x in leaves]))
+            returned += [x for x in leaves if _traced(x)]
+        return (out, returned) if attached else out
 
     compiler = _planning_step(compiler or make_boxed_compiler(lambda gm, _inputs: gm))
     return aot_function(
@@ -150,6 +200,65 @@ def training_function(
         decompositions=decompositions,
         num_params_buffers=n_params + n_buffers,
     )
+
+
+_MODULE_STATE = frozenset(vars(torch.nn.Module()))  # what nn.Module keeps in every instance
+
+
+def _attributes(model: torch.nn.Module) -> dict[tuple[str, str], tuple[Any, Any]]:
+    """Every module's own attributes, by (module path, name): the value, and a shallow copy of
+    a list or dict (to see tensors added to it in place)."""
+    return {(path, name): (value, copy.copy(value) if isinstance(value, (list, dict)) else None)
+            for path, module in model.named_modules() for name, value in vars(module).items()
+            if name not in _MODULE_STATE}
+
+
+def _take_attached(model: torch.nn.Module, before: dict[tuple[str, str], tuple[Any, Any]],
+                   ) -> dict[tuple[str, str], Any]:
+    """The values holding tensors that the traced forward assigned to module attributes, by
+    (module path, name); the attributes are put back as they were, since the traced tensors
+    are unusable outside the trace and planning leaves the model as it was. A tensor added in
+    place to a list or dict attribute cannot be returned that way: CaptureError, saying so."""
+    attached, refused = {}, []
+    for (path, name), (value, _) in _attributes(model).items():
+        old, contents = before.get((path, name), (None, None))
+        if not any(map(_traced, pytree.tree_leaves(value))):
+            continue
+        module = model.get_submodule(path)
+        if value is not old:
+            attached[path, name] = value
+            if (path, name) in before:
+                setattr(module, name, old)
+            else:
+                delattr(module, name)
+        elif contents is not None and not _same_items(value, contents):
+            if isinstance(value, list):
+                value[:] = contents
+            else:
+                value.clear()
+                value.update(contents)
+            refused.append((f"{path}.{name}" if path else name, name, type(value).__name__))
+    if refused:
+        where, name, kind = refused[0]
+        raise CaptureError(
+            f"the forward of {type(model).__name__} adds tensors to {where} (a {kind}) in place: rockplan "
+            f"returns the tensors a forward assigns to a module attribute (self.{name} = tensor), not those it "
+            f"adds to a container. Return the tensor from forward, or assign it (self.{name} = tensor).")
+    return attached
+
+
+def _traced(x: Any) -> bool:
+    """A tensor the traced forward made (a fake or functional one, unusable after the trace)."""
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return isinstance(x, (FakeTensor, FunctionalTensor))
+
+
+def _same_items(a: list | dict, b: list | dict) -> bool:
+    """The same objects in the same places (`==` would compare tensors element by element)."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(a[k] is b[k] for k in a)
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 def _planning_step(fn: Callable) -> Callable:
@@ -234,6 +343,7 @@ def trace(
     with (
         preserved_rng(),  # ops with no tensor inputs run for real in the fake forward, draws included
         _native_kernels() if native_kernels else contextlib.nullcontext(),
+        _side_effects_kept(),
         _module_path_annotations(model),
         fx_traceback.preserve_node_meta(),
         torch.enable_grad(),
@@ -272,6 +382,29 @@ def joint_graph(flat: FlatCall, joint: fx.GraphModule, num_fwd_outputs: int) -> 
     primals = [p.name for p in joint.graph.find_nodes(op="placeholder") if not is_tangent(p)]
     mutated = frozenset(primals[i] for i in flat.mutated)
     return JointGraph(joint, num_fwd_outputs, kinds, names, mutated)
+
+
+# Ops that act without an output, which fx does not count as side effects: dead-code
+# elimination drops them from the traced graph (`torch._assert_async(cond)` without a message).
+_UNMARKED_SIDE_EFFECTS = (torch.ops.aten._assert_async.default,)
+
+
+def has_side_effect(node: fx.Node) -> bool:
+    """An op that must run although nothing reads its result: an assertion, or any op fx keeps
+    through dead-code elimination (a mutation, a draw from a generator)."""
+    return node.op == "call_function" and (node.target in _UNMARKED_SIDE_EFFECTS or node.is_impure())
+
+
+@contextlib.contextmanager
+def _side_effects_kept():
+    """Count `_UNMARKED_SIDE_EFFECTS` as side effects while tracing, so that AOTAutograd keeps
+    them as eager runs them; fx's table is restored on exit."""
+    added = [op for op in _UNMARKED_SIDE_EFFECTS if op not in fx.node._side_effectful_functions]
+    fx.node._side_effectful_functions.update(added)
+    try:
+        yield
+    finally:
+        fx.node._side_effectful_functions.difference_update(added)
 
 
 # Ops whose Python decomposition torch._decomp registers for the Autograd and

@@ -56,7 +56,7 @@ from torch.fx.experimental.symbolic_shapes import free_symbols
 from rkgraph.capture import CaptureError, JointGraph, _native_kernels, is_tangent
 from rkgraph.rewrites import apply_rewrites
 from rkgraph.units import format_bytes
-from rockplan.budget import parse_budget
+from rockplan.budget import budget_bytes, parse_budget
 from rockplan.codegen import generate
 from rockplan.planner import DEFAULT_SOLVER, Plan, PlanOptions, Profile, plan
 from solvers import InfeasibleBudget, min_feasible_budget, simulate
@@ -101,7 +101,7 @@ class Backend:
     """The callable torch.compile calls with each graph; `graphs` lists what it planned."""
 
     def __init__(self, budget: int | str, *, parameters: Iterable[nn.Parameter] | None, options: PlanOptions) -> None:
-        if isinstance(budget, float):
+        if budget_bytes(budget) is None:
             raise ValueError(
                 f"rockplan.backend takes the budget in bytes (an int or a size string like '1.5GiB'), not the "
                 f"ratio {budget}: graphs are planned one at a time as Dynamo captures them, before the whole "
@@ -349,7 +349,7 @@ class GraphBreaks:
     wrapped in Dynamo's BackendCompilerFailed."""
 
     def __init__(self, model: nn.Module, budget: int | float | str, options: PlanOptions, why: CaptureError) -> None:
-        if isinstance(budget, float):
+        if budget_bytes(budget) is None:
             raise ValueError(f"{why}\nDynamo can split it into graphs, planned one at a time, but a ratio budget is "
                              "a fraction of the whole step's peak, unknown until every graph is captured: give "
                              "the budget in bytes (an int or a size string like '1.5GiB')") from why

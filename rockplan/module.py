@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,16 +22,26 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch._dynamo.backends.debugging import boxed_nop
 
-from rkgraph.capture import CaptureError, FlatCall, flat_tensors, flatten_call, joint_graph, trace, training_function
+from rkgraph.capture import (
+    CaptureError,
+    FlatCall,
+    flat_tensors,
+    flatten_call,
+    joint_graph,
+    splits_into_graphs,
+    trace,
+    training_function,
+)
 from rkgraph.graph import RematGraph
 from rkgraph.rewrites import apply_rewrites
 from rockplan.backend import GraphBreaks, GraphPlan
+from rockplan.budget import check_gradients_fit
 from rockplan.codegen import generate
 from rockplan.decisions import decide
 from rockplan.explain import explain
 from rockplan.inductor import decompositions, inductor_compiler
 from rockplan.plan_file import export_plan
-from rockplan.planner import DEFAULT_SOLVER, Plan, PlanOptions, plan
+from rockplan.planner import DEFAULT_SOLVER, Plan, PlanOptions, plan, reuse
 from rockplan.plots import plot_memory
 from solvers import Schedule
 
@@ -78,6 +90,16 @@ class Rockmate(nn.Module):
     model and sample then plan on the same costs (measured profiles vary from run to run on a
     busy machine; a comparison of budgets or solvers should not).
     `solver_options` are the solver's keyword arguments; one it does not take is an error.
+
+    A plan is for one input signature (shapes, dtypes, devices, structure): a training step on
+    another input plans again, inside the step, with a warning the first time and a log line at
+    INFO after ("error" for `on_new_input` refuses it instead). With "reuse", a held plan runs the
+    new input when its graph is the same up to sizes and the simulator finds the plan within the
+    budget there: give the largest input as the sample, and smaller ones are captured but not
+    solved (they recompute what a plan of their own might keep). The `max_plans` most recently used
+    plans are held; older ones are dropped and made again if their input comes back.
+    Pickling (`torch.save(rk)`, `copy.deepcopy`) keeps the model and how to plan, not the plans
+    (their steps are compiled closures): they are made again at the first training step.
     """
 
     def __init__(
@@ -89,11 +111,17 @@ class Rockmate(nn.Module):
         solver: str = DEFAULT_SOLVER,
         profile: Literal["measure", "estimate"] | Mapping[str, float] = "measure",
         backend: Literal["eager", "inductor"] = "eager",
-        on_new_input: Literal["replan", "error"] = "replan",
+        on_new_input: Literal["replan", "reuse", "error"] = "replan",
         solver_options: dict | None = None,
         plan_file: str | Path | None = None,
+        max_plans: int = 8,
     ) -> None:
         super().__init__()
+        check_gradients_fit(budget, model)
+        if max_plans < 1:
+            raise ValueError(f"max_plans must be at least 1, got {max_plans}")
+        if on_new_input not in ("replan", "reuse", "error"):
+            raise ValueError(f"unknown on_new_input {on_new_input!r}; choose 'replan', 'reuse' or 'error'")
         if backend not in ("eager", "inductor"):
             raise ValueError(f"unknown backend {backend!r}; choose 'eager' or 'inductor'")
         self.model = model
@@ -105,13 +133,17 @@ class Rockmate(nn.Module):
         self.options = PlanOptions(solver=solver, solver_options=dict(solver_options or {}), profile=profile,
                                    plan_file=plan_file, replay_rng=backend != "inductor",
                                    lean_variant=backend != "inductor", name=type(model).__name__)
-        self._steps: dict[tuple, PlannedStep] = {}
+        self.max_plans = max_plans
+        self._steps: OrderedDict[tuple, PlannedStep] = OrderedDict()  # least recently used first
+        self._replanned = False  # warned once, logged after
         args, kwargs = _split_sample(sample)
         self._sample_signature = _signature(model, args, kwargs)
         self._graph_breaks: GraphBreaks | None = None
         try:
             self._current = self._plan(args, kwargs)
         except CaptureError as e:  # not one graph: Dynamo splits it, each graph planned in the first step
+            if not splits_into_graphs(e):
+                raise
             self._current, self._graph_breaks = None, GraphBreaks(model, budget, self.options, e)
 
     # --- what users read -------------------------------------------------------------------
@@ -119,8 +151,11 @@ class Rockmate(nn.Module):
     def plan(self) -> Plan:
         """The plan for the last input signature seen (the sample's until another is run)."""
         if self._current is None:
-            raise RuntimeError(f"{type(self.model).__name__} has graph breaks: it has one plan per graph, "
-                               "made in the first training step; see graph_plans")
+            if self._graph_breaks is not None:
+                raise RuntimeError(f"{type(self.model).__name__} has graph breaks: it has one plan per graph, "
+                                   "made in the first training step; see graph_plans")
+            raise RuntimeError("no plan yet: plans are not pickled, and this Rockmate was loaded or copied; "
+                               "its first training step plans again")
         return self._current.plan
 
     @property
@@ -167,6 +202,14 @@ class Rockmate(nn.Module):
     def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self.model.load_state_dict(*args, **kwargs)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The planned steps are AOTAutograd closures, which cannot be pickled: planned again.
+        if self._graph_breaks is not None:
+            raise TypeError(f"{type(self.model).__name__} has graph breaks, planned through torch.compile, "
+                            "whose compiled graphs cannot be pickled: save rk.state_dict() (the model's) and "
+                            "wrap the loaded model in a new Rockmate")
+        return {**self.__dict__, "_steps": OrderedDict(), "_current": None}
+
     # --- planning ------------------------------------------------------------------------------
     def _plan(self, args: tuple, kwargs: dict) -> PlannedStep:
         """Capture the step on fake tensors and plan it, inside AOTAutograd's partition step."""
@@ -177,7 +220,9 @@ class Rockmate(nn.Module):
 
         def plan_and_generate(joint_module: fx.GraphModule, _inputs: Any, *, num_fwd_outputs: int, **_: Any):
             joint = apply_rewrites(joint_graph(flat, joint_module, num_fwd_outputs))
-            planned.append(plan(joint, self.budget_spec, self.options, real))
+            held = [s.plan for s in reversed(self._steps.values())] if self.on_new_input == "reuse" else []
+            reused = (reuse(joint, self.budget_spec, self.options, p, real) for p in held)
+            planned.append(next(filter(None, reused), None) or plan(joint, self.budget_spec, self.options, real))
             return generate(planned[0].joint, planned[0].graph, planned[0].schedule)
 
         if self.backend == "inductor":
@@ -186,8 +231,16 @@ class Rockmate(nn.Module):
         else:
             compiled = training_function(self.model, flat, plan_and_generate, boxed_nop)
         trace(self.model, flat, compiled, args, kwargs, native_kernels=self.backend != "inductor")
+        if not planned:  # AOTAutograd partitions only a step with a backward
+            raise ValueError(
+                f"no output of {type(self.model).__name__} requires grad for this input: there is no backward to "
+                "plan. Return the loss (or what it is computed from) from forward; outputs that need no grad "
+                "(argmax, detached tensors, None) may come beside it. Evaluate under torch.no_grad() or after "
+                "rk.eval(), where the model runs as it is.")
         step = PlannedStep(planned[0], compiled, flat, time.perf_counter() - start)
         self._steps[_signature(self.model, args, kwargs)] = step
+        while len(self._steps) > self.max_plans:
+            self._steps.popitem(last=False)
         return step
 
     # --- running -------------------------------------------------------------------------------
@@ -197,16 +250,34 @@ class Rockmate(nn.Module):
         signature = _signature(self.model, args, kwargs)
         step = self._steps.get(signature)
         if step is None:
-            if self.on_new_input == "error" and signature != self._sample_signature:
+            new = signature != self._sample_signature  # or the sample's plan was dropped, or not pickled
+            if new and self.on_new_input == "error":
                 difference = _describe_difference(self._sample_signature, signature)
                 raise ValueError(f"input differs from the planned sample: {difference}; "
                                  "pass on_new_input='replan' to plan for it")
             if self._graph_breaks is not None:
                 return self._graph_breaks(*args, **kwargs)
             step = self._plan(args, kwargs)
+            self._report_replan(step, signature)
+        else:
+            self._steps.move_to_end(signature)
         self._current = step
         out = step.compiled(*flat_tensors(self.model, step.flat, args, kwargs))
-        return tuple(out) if step.flat.returns_tuple else out
+        return step.flat.result(self.model, out)
+
+    def _report_replan(self, step: PlannedStep, signature: tuple) -> None:
+        """Planning inside a training step takes seconds to minutes: say so, with what changed."""
+        what = ("the sample's input again" if signature == self._sample_signature
+                else f"a new input ({_describe_difference(self._sample_signature, signature)})")
+        message = (f"{type(self.model).__name__}: planned for {what} in {step.plan_time:.1f} s; "
+                   f"{len(self._steps)} plan(s) held, at most max_plans={self.max_plans}")
+        if self._replanned:
+            log.info(message)
+            return
+        self._replanned = True
+        warnings.warn(f"{message}. Each new input signature (shape, dtype) is planned in its training step: pad "
+                      "inputs to a few shapes, pass on_new_input='reuse' with the largest input as the sample, or "
+                      "'error' to refuse new ones", stacklevel=2)
 
     def train(self, mode: bool = True) -> Rockmate:
         super().train(mode)

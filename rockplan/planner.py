@@ -15,7 +15,9 @@ same costs for the ops both graphs share, and the faster plan is returned.
 
 from __future__ import annotations
 
+import inspect
 import logging
+import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -32,13 +34,26 @@ from rkgraph.units import format_bytes
 from rockplan.budget import parse_budget
 from rockplan.memory import cuda_blocks_fit_requests
 from rockplan.plan_file import PlanMismatch, load_plan
-from solvers import RUNTIME_SOLVERS, InfeasibleBudget, Schedule, simulate, solve_store_all, solver_options
-from solvers.bounds import time_lower_bound
+from solvers import (
+    RUNTIME_SOLVERS,
+    InfeasibleBudget,
+    InvalidSchedule,
+    Schedule,
+    simulate,
+    solve_store_all,
+    solver_options,
+)
+from solvers.bounds import budget_bounds, time_lower_bound
 
 log = logging.getLogger(__name__)
 
 Profile = Literal["measure", "estimate"] | Mapping[str, float]
 DEFAULT_SOLVER = "rockmate"  # the portfolio: every strategy tried, the fastest plan kept
+
+
+class OutOfTime(InfeasibleBudget):
+    """The solver stopped without a schedule at a budget above the proven floor: one may exist,
+    and more time (or a larger budget) may find it."""
 
 
 @dataclass(frozen=True)
@@ -156,6 +171,50 @@ def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = Pl
                 {n.name: n.time for n in graph.nodes}, considered)
 
 
+def reuse(joint: JointGraph, budget: int | float | str, options: PlanOptions, previous: Plan,
+          real_inputs: list[torch.Tensor] | None = None) -> Plan | None:
+    """`previous`'s schedule on `joint` when it is the same step at other shapes (the same nodes
+    reading and making the same values, only their sizes differ) and the simulator finds it
+    within `budget` there; None otherwise. No solver runs: planning at the largest input
+    covers smaller ones, at the cost of recomputing what they could have kept. Costs: the
+    previous plan's node times (measured ones keep their order across shapes), with kernels'
+    scratch measured again on `real_inputs`, since the budget check needs it."""
+    graph = build_graph(joint, name=options.name, replay_rng=options.replay_rng)
+    variant = None
+    if _structure(graph) != _structure(previous.graph):
+        variant = lean_variant(joint) if options.lean_variant else None
+        if variant is None or _structure(build_graph(variant, replay_rng=options.replay_rng)) != _structure(
+                previous.graph):
+            return None
+    if set(previous.times) != {n.name for n in graph.nodes}:
+        return None
+    graph = costed_graph(joint, real_inputs, "estimate" if options.profile == "estimate" else previous.times, options)
+    reference = solve_store_all(graph)
+    budget = parse_budget(budget, reference.predicted_peak)
+    chosen_joint, chosen = (joint, graph) if variant is None else (variant, costed_graph(
+        variant, real_inputs, "estimate" if options.profile == "estimate" else "measure", options, shared=graph))
+    try:
+        result = simulate(chosen, previous.schedule)
+    except InvalidSchedule:
+        return None
+    if result.peak > budget:
+        log.info("the held plan peaks at %s on the new input, above the budget of %s: planning anew",
+                 format_bytes(result.peak), format_bytes(budget))
+        return None
+    old = previous.schedule
+    schedule = Schedule(old.ops, old.forward_length, solver=old.solver, budget=budget, predicted_peak=result.peak,
+                        predicted_time=result.time, extra={**old.extra, "reused": True})
+    log.info("reused the held plan: peak %s within the budget of %s", format_bytes(result.peak), format_bytes(budget))
+    return Plan(chosen_joint, chosen, schedule, budget, reference if variant is None else solve_store_all(chosen),
+                reference, {n.name: n.time for n in graph.nodes}, {})
+
+
+def _structure(graph: RematGraph) -> tuple:
+    """What a schedule depends on: the nodes, what each reads and makes, and the outputs."""
+    return (tuple((n.name, n.op, n.inputs, n.outputs, n.backward) for n in graph.nodes),
+            graph.forward_outputs, graph.backward_outputs, graph.user_outputs)
+
+
 def costed_graph(joint: JointGraph, real_inputs: list[torch.Tensor] | None, profile: Profile,
                  options: PlanOptions, shared: RematGraph | None = None) -> RematGraph:
     """The RematGraph of `joint` with its costs and blocks; a variant of `shared`'s graph
@@ -177,7 +236,11 @@ def _solve(graph: RematGraph, budget: int, options: PlanOptions,
         given = dict(options.solver_options)
         if floor is not None and "floor" in solver_options(options.solver):
             given.setdefault("floor", floor)
-        schedule = RUNTIME_SOLVERS[options.solver](graph, budget, **given)
+        started = time.perf_counter()
+        try:
+            schedule = RUNTIME_SOLVERS[options.solver](graph, budget, **given)
+        except InfeasibleBudget as e:
+            raise _refusal(graph, budget, options, time.perf_counter() - started) from e
     result = simulate(graph, schedule)
     if result.peak > budget:
         raise InfeasibleBudget(
@@ -186,3 +249,26 @@ def _solve(graph: RematGraph, budget: int, options: PlanOptions,
             f"{result.peak} bytes ({format_bytes(result.peak)}), what the generated code holds included "
             f"(copies of mutated buffers, recorded generator states)")
     return schedule
+
+
+def _refusal(graph: RematGraph, budget: int, options: PlanOptions, seconds: float) -> InfeasibleBudget:
+    """A solver's refusal of `budget`, as the user should read it whatever the solver. Below the
+    proven floor, the floor. Above it the solver gave up (its time limit ran out, or its search
+    does not cover every schedule) and nothing is proven: OutOfTime, saying how to give it more
+    time, and from which budget a schedule is known."""
+    bounds = budget_bounds(graph)
+    if budget < bounds.lower:
+        return InfeasibleBudget(f"budget {budget} bytes ({format_bytes(budget)}) is too small: {bounds.describe()}")
+    known = (f"a schedule is known from {bounds.upper} bytes ({format_bytes(bounds.upper)}), and none can peak "
+             f"below {bounds.lower} bytes ({format_bytes(bounds.lower)})")
+    parameter = inspect.signature(RUNTIME_SOLVERS[options.solver]).parameters.get("time_limit")
+    if parameter is None:
+        return OutOfTime(f"solver {options.solver!r} found no schedule within {budget} bytes ({format_bytes(budget)}), "
+                         f"but its search does not cover every schedule: {known}. Use the default solver "
+                         f"{DEFAULT_SOLVER!r}, or a budget of at least {bounds.upper} bytes")
+    limit = options.solver_options.get("time_limit", parameter.default)
+    stopped = "ran out of its time limit" if seconds >= limit else "stopped"
+    return OutOfTime(f"solver {options.solver!r} {stopped} ({seconds:.1f} s, time_limit={limit:g} s) without a "
+                     f"schedule within {budget} bytes ({format_bytes(budget)}); one may exist: {known}. Give it more "
+                     f"time with solver_options={{'time_limit': {max(2 * limit, 10 * seconds, 60):.0f}}}, or a budget "
+                     f"of at least {bounds.upper} bytes")

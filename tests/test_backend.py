@@ -168,7 +168,9 @@ def test_rockmate_with_graph_breaks_states_what_it_needs() -> None:
     x = torch.randn(512, 64)
     with pytest.raises(ValueError, match="in bytes"):
         Rockmate(_Branching(), x, 0.5)
-    rk = Rockmate(_Branching(), x, 10_000)
+    # Above the parameters' gradients (340,000 B: refused before capture below that), under
+    # what graph 0 needs beside them.
+    rk = Rockmate(_Branching(), x, 400_000)
     with pytest.raises(InfeasibleBudget, match="graph 0"):
         _step(rk, x)
 
