@@ -15,7 +15,9 @@ import dataclasses
 import functools
 import inspect
 import logging
+import sys
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +70,7 @@ class FlatCall:
     # AOTAutograd hands a flat tuple of outputs back as a list (PytreeThunk's shortcut for
     # "simple" specs); the caller restores the tuple the model returned.
     returns_tuple: bool = False
+    dropped_cache: bool = False  # a key/value cache the model returned is None in the step's outputs
 
     def tensors(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         leaves, _ = pytree.tree_flatten((args, kwargs))
@@ -135,6 +138,8 @@ def training_function(
     def flat_fn(*tensors: torch.Tensor) -> Any:
         args, kwargs = flat.unflatten(tensors[n_params + n_buffers:])
         out = functional_call(model, dict(zip(names, tensors[: n_params + n_buffers])), args, kwargs)
+        out, dropped = _without_caches(out)
+        flat.dropped_cache |= dropped
         _register_dataclasses(out)
         flat.returns_tuple = type(out) is tuple
         # AOTAutograd functionalizes the call: a mutated input shows as a pending data mutation.
@@ -162,6 +167,27 @@ def _planning_step(fn: Callable) -> Callable:
             raise _PlanningFailed() from e
 
     return run
+
+
+def _without_caches(out: Any) -> tuple[Any, bool]:
+    """The model's outputs with every transformers key/value cache replaced by None.
+
+    transformers' language models return a `Cache` (their config's `use_cache` is on by
+    default, for generation). A training step gives None in its place, as transformers' own
+    gradient checkpointing gives no filled cache: the cache serves generation, not the loss,
+    and returning it would keep every layer's keys and values alive after the forward, which
+    a plan under a budget cannot afford. The cache is an object pytree cannot flatten, so
+    AOTAutograd could not return it anyway. Warned (Python shows a warning once per process), since `out.cache` then
+    differs from eager's; passing `use_cache=False` says the caller expects no cache.
+    """
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    if cache_utils is None:
+        return out, False
+    leaves, spec = pytree.tree_flatten(out)
+    caches = [isinstance(leaf, cache_utils.Cache) for leaf in leaves]
+    if not any(caches):
+        return out, False
+    return pytree.tree_unflatten([None if cache else leaf for leaf, cache in zip(leaves, caches)], spec), True
 
 
 def _register_dataclasses(out: Any) -> None:
@@ -237,6 +263,7 @@ def trace(
         _module_path_annotations(model),
         fx_traceback.preserve_node_meta(),
         torch.enable_grad(),
+        traced_as_compiling(),
     ):
         try:
             compiled(*fakes)
@@ -246,6 +273,13 @@ def trace(
             raise
         except Exception as e:  # tracing failures: name the op and the user's line
             raise CaptureError(_explain_trace_failure(model, e)) from e
+    if flat.dropped_cache:
+        warnings.warn(
+            f"{type(model).__name__} returns a key/value cache (use_cache is on in its config): a planned "
+            "training step returns None in its place, as gradient checkpointing does. The cache serves "
+            "generation; pass use_cache=False in the model's arguments to say none is expected.",
+            stacklevel=4,  # the caller of Rockmate(...) or trace_joint(...)
+        )
 
 
 def trace_joint(model: torch.nn.Module, args: Any, kwargs: dict | None = None) -> JointGraph:
@@ -335,6 +369,33 @@ def _module_path_annotations(model: torch.nn.Module):
             fx_traceback.current_meta.pop("custom", None)
         else:
             fx_traceback.current_meta["custom"] = saved
+
+
+@contextlib.contextmanager
+def traced_as_compiling():
+    """Make `torch.compiler.is_compiling()` true while the step is traced, as torch.compile
+    makes it while AOTAutograd traces a graph Dynamo captured.
+
+    Library code asks `torch.compiler.is_compiling()` (the public question; transformers'
+    `is_tracing` and `is_torchdynamo_compiling` ask it) to skip what cannot be traced: reads
+    of tensor values in Python that pick a faster path in eager, such as transformers dropping
+    an all-ones padding mask or detecting packed sequences. Our trace is AOTAutograd's, the
+    stage torch.compile runs with that flag set, so the library's traceable path is the right
+    one. torch sets the flag only through private context managers (Dynamo's compile session,
+    torch.export's); we use Dynamo's, which sets `is_compiling` alone (not `is_exporting`:
+    this is not an export, and the graph stays one of training).
+    """
+    session = getattr(torch.compiler, "_compile_session_context", None)
+    if session is not None:
+        with session():
+            yield
+        return
+    saved = torch.compiler._is_compiling_flag  # torch before 2.10 keeps the bare flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = saved
 
 
 _ROOT = Path(__file__).parent.parent
