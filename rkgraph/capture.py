@@ -248,6 +248,7 @@ def trace(
     through torch._decomp's Python kernels as torch.compile does: Inductor wants those ops
     decomposed and refuses to fall back on their ATen kernels.
     """
+    _warn_of_hooks(model)
     tensors = flat_tensors(model, flat, args, kwargs)
     if not any(t.requires_grad for t in tensors):
         raise ValueError(
@@ -278,8 +279,47 @@ def trace(
             f"{type(model).__name__} returns a key/value cache (use_cache is on in its config): a planned "
             "training step returns None in its place, as gradient checkpointing does. The cache serves "
             "generation; pass use_cache=False in the model's arguments to say none is expected.",
-            stacklevel=4,  # the caller of Rockmate(...) or trace_joint(...)
+            stacklevel=_user_stacklevel(),
         )
+
+
+_MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _warn_of_hooks(model: torch.nn.Module) -> None:
+    """Say, before tracing, that the model's module hooks are traced, not run in each step.
+
+    A hook runs in Python while AOTAutograd traces the step, on traced tensors (twice: once to
+    learn the outputs, once to record the graph). What it computes into a module's inputs,
+    outputs or gradients is recorded and applies in every step; its Python side effects
+    (counting, recording tensors, printing) happen only then. Running them in each step would
+    mean breaking the graph at every hooked module, or making every tensor a hook reads an
+    output the plan must keep: neither is done, so the user is told which hooks are affected.
+    """
+    hooked = [f"{name or type(model).__name__}.{kind.strip('_')}"
+              for name, sub in model.named_modules() for kind in _MODULE_HOOKS if getattr(sub, kind)]
+    hooked += [f"global {kind}" for kind in ("_global_forward_pre_hooks", "_global_forward_hooks",
+                                             "_global_backward_pre_hooks", "_global_backward_hooks")
+               if getattr(torch.nn.modules.module, kind, None)]
+    if hooked:
+        shown = ", ".join(hooked[:5]) + (f" and {len(hooked) - 5} more" if len(hooked) > 5 else "")
+        warnings.warn(
+            f"{type(model).__name__} has module hooks ({shown}). They are traced into the planned step: "
+            "what they compute into inputs, outputs or gradients applies in every step, but they run only "
+            "while the step is traced, on traced tensors, not in each step: counters, recorded tensors and "
+            "prints do not happen per step. Return what a hook records from forward instead, or remove "
+            "such hooks before Rockmate(...).",
+            stacklevel=_user_stacklevel(),
+        )
+
+
+def _user_stacklevel() -> int:
+    """`warnings.warn`'s stacklevel that names the user's line: the innermost frame outside
+    torch and rockplan's packages (3.12's `skip_file_prefixes` does this; we support 3.11)."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def trace_joint(model: torch.nn.Module, args: Any, kwargs: dict | None = None) -> JointGraph:
