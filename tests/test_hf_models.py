@@ -69,9 +69,11 @@ def _step(model: torch.nn.Module, batch: dict[str, torch.Tensor], seed: int = 7)
 
 
 def _budget(model: torch.nn.Module, sample: tuple) -> int:
-    """Half of the step peak, or the smallest budget a schedule is known for if that is more."""
-    probe = Rockmate(copy.deepcopy(model), sample, 1.0, solver="store_all", profile="estimate")
-    return max(parse_budget(0.5, probe.store_all_peak), budget_bounds(probe.graph).upper)
+    """Half of the step peak, or the smallest budget a schedule is known for if that is more.
+    That smallest budget includes kernels' scratch as the probe's capture measured it; the
+    plan's capture measures it again and it varies a little between replays: a margin of 5%."""
+    probe = Rockmate(copy.deepcopy(model), sample, 1.0, solver="store_all")
+    return max(parse_budget(0.5, probe.store_all_peak), int(1.05 * budget_bounds(probe.graph).upper))
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -85,7 +87,7 @@ def test_planned_step_matches_eager_within_the_budget(name: str) -> None:
     budget = _budget(model, sample)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        rk = Rockmate(model, sample, budget, solver_options={"time_limit": 10})
+        rk = Rockmate(model, sample, budget, solver_options={"time_limit": 3})
 
     planned = measure_step(_step, rk, batch)
     expected = _step(eager, batch)
