@@ -16,7 +16,9 @@ import dataclasses
 import functools
 import inspect
 import logging
+import sys
 import traceback
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,6 +90,7 @@ class FlatCall:
     # the value's pytree spec with its non-tensor leaves. The step returns their tensors after
     # the model's output, and `result` sets them on the modules, as eager's forward would.
     attached: list[tuple[str, str, pytree.TreeSpec, list[Any]]] = field(default_factory=list)
+    dropped_cache: bool = False  # a key/value cache the model returned is None in the step's outputs
 
     def tensors(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         leaves, _ = pytree.tree_flatten((args, kwargs))
@@ -178,6 +181,8 @@ def training_function(
             out = functional_call(model, dict(zip(names, tensors[: n_params + n_buffers])), args, kwargs)
         finally:
             attached = _take_attached(model, before)
+        out, dropped = _without_caches(out)
+        flat.dropped_cache |= dropped
         _register_dataclasses(out)
         flat.returns_tuple = type(out) is tuple
         # AOTAutograd functionalizes the call: a mutated input shows as a pending data mutation.
@@ -273,6 +278,27 @@ def _planning_step(fn: Callable) -> Callable:
     return run
 
 
+def _without_caches(out: Any) -> tuple[Any, bool]:
+    """The model's outputs with every transformers key/value cache replaced by None.
+
+    transformers' language models return a `Cache` (their config's `use_cache` is on by
+    default, for generation). A training step gives None in its place, as transformers' own
+    gradient checkpointing gives no filled cache: the cache serves generation, not the loss,
+    and returning it would keep every layer's keys and values alive after the forward, which
+    a plan under a budget cannot afford. The cache is an object pytree cannot flatten, so
+    AOTAutograd could not return it anyway. Warned (Python shows a warning once per process), since `out.cache` then
+    differs from eager's; passing `use_cache=False` says the caller expects no cache.
+    """
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    if cache_utils is None:
+        return out, False
+    leaves, spec = pytree.tree_flatten(out)
+    caches = [isinstance(leaf, cache_utils.Cache) for leaf in leaves]
+    if not any(caches):
+        return out, False
+    return pytree.tree_unflatten([None if cache else leaf for leaf, cache in zip(leaves, caches)], spec), True
+
+
 def _register_dataclasses(out: Any) -> None:
     """Let AOTAutograd flatten dataclass outputs: tensor fields are leaves, the rest constants."""
     if dataclasses.is_dataclass(out) and not isinstance(out, type):
@@ -331,6 +357,7 @@ def trace(
     through torch._decomp's Python kernels as torch.compile does: Inductor wants those ops
     decomposed and refuses to fall back on their ATen kernels.
     """
+    _warn_of_hooks(model)
     tensors = flat_tensors(model, flat, args, kwargs)
     if not any(t.requires_grad for t in tensors):
         raise ValueError(
@@ -347,6 +374,7 @@ def trace(
         _module_path_annotations(model),
         fx_traceback.preserve_node_meta(),
         torch.enable_grad(),
+        traced_as_compiling(),
     ):
         try:
             compiled(*fakes)
@@ -356,6 +384,52 @@ def trace(
             raise
         except Exception as e:  # tracing failures: name the op and the user's line
             raise CaptureError(_explain_trace_failure(model, e)) from e
+    if flat.dropped_cache:
+        warnings.warn(
+            f"{type(model).__name__} returns a key/value cache (use_cache is on in its config): a planned "
+            "training step returns None in its place, as gradient checkpointing does. The cache serves "
+            "generation; pass use_cache=False in the model's arguments to say none is expected.",
+            stacklevel=_user_stacklevel(),
+        )
+
+
+_MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _warn_of_hooks(model: torch.nn.Module) -> None:
+    """Say, before tracing, that the model's module hooks are traced, not run in each step.
+
+    A hook runs in Python while AOTAutograd traces the step, on traced tensors (twice: once to
+    learn the outputs, once to record the graph). What it computes into a module's inputs,
+    outputs or gradients is recorded and applies in every step; its Python side effects
+    (counting, recording tensors, printing) happen only then. Running them in each step would
+    mean breaking the graph at every hooked module, or making every tensor a hook reads an
+    output the plan must keep: neither is done, so the user is told which hooks are affected.
+    """
+    hooked = [f"{name or type(model).__name__}.{kind.strip('_')}"
+              for name, sub in model.named_modules() for kind in _MODULE_HOOKS if getattr(sub, kind)]
+    hooked += [f"global {kind}" for kind in ("_global_forward_pre_hooks", "_global_forward_hooks",
+                                             "_global_backward_pre_hooks", "_global_backward_hooks")
+               if getattr(torch.nn.modules.module, kind, None)]
+    if hooked:
+        shown = ", ".join(hooked[:5]) + (f" and {len(hooked) - 5} more" if len(hooked) > 5 else "")
+        warnings.warn(
+            f"{type(model).__name__} has module hooks ({shown}). They are traced into the planned step: "
+            "what they compute into inputs, outputs or gradients applies in every step, but they run only "
+            "while the step is traced, on traced tensors, not in each step: counters, recorded tensors and "
+            "prints do not happen per step. Return what a hook records from forward instead, or remove "
+            "such hooks before Rockmate(...).",
+            stacklevel=_user_stacklevel(),
+        )
+
+
+def _user_stacklevel() -> int:
+    """`warnings.warn`'s stacklevel that names the user's line: the innermost frame outside
+    torch and rockplan's packages (3.12's `skip_file_prefixes` does this; we support 3.11)."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def trace_joint(model: torch.nn.Module, args: Any, kwargs: dict | None = None) -> JointGraph:
@@ -468,6 +542,33 @@ def _module_path_annotations(model: torch.nn.Module):
             fx_traceback.current_meta.pop("custom", None)
         else:
             fx_traceback.current_meta["custom"] = saved
+
+
+@contextlib.contextmanager
+def traced_as_compiling():
+    """Make `torch.compiler.is_compiling()` true while the step is traced, as torch.compile
+    makes it while AOTAutograd traces a graph Dynamo captured.
+
+    Library code asks `torch.compiler.is_compiling()` (the public question; transformers'
+    `is_tracing` and `is_torchdynamo_compiling` ask it) to skip what cannot be traced: reads
+    of tensor values in Python that pick a faster path in eager, such as transformers dropping
+    an all-ones padding mask or detecting packed sequences. Our trace is AOTAutograd's, the
+    stage torch.compile runs with that flag set, so the library's traceable path is the right
+    one. torch sets the flag only through private context managers (Dynamo's compile session,
+    torch.export's); we use Dynamo's, which sets `is_compiling` alone (not `is_exporting`:
+    this is not an export, and the graph stays one of training).
+    """
+    session = getattr(torch.compiler, "_compile_session_context", None)
+    if session is not None:
+        with session():
+            yield
+        return
+    saved = torch.compiler._is_compiling_flag  # torch before 2.10 keeps the bare flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = saved
 
 
 _ROOT = Path(__file__).parent.parent

@@ -59,12 +59,22 @@ class PlannedStep:
 
 
 def _signature(model: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """What a plan was traced under, and so must hold again for it to apply (its guards):
+    the inputs' structure, shapes, dtypes and devices; the parameters'; every submodule's
+    train/eval mode (dropout and BatchNorm trace differently in each: a plan made in eval mode,
+    as `from_pretrained` returns models, must not run after `train()`); autocast per device
+    type of the tensors, with its dtype. Grad mode needs no key: without it there is no
+    backward, and `forward` runs the plain model."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     described = tuple(
         ("tensor", tuple(x.shape), x.dtype, x.device, x.requires_grad) if isinstance(x, torch.Tensor) else x
         for x in leaves
     )
-    return (str(spec), described, tuple((p.dtype, p.device, p.requires_grad) for p in model.parameters()))
+    parameters = tuple((p.dtype, p.device, p.requires_grad) for p in model.parameters())
+    devices = sorted({t.device.type for t in (*model.parameters(), *leaves) if isinstance(t, torch.Tensor)})
+    autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices)
+    modes = tuple(m.training for m in model.modules())
+    return (str(spec), described, parameters, modes, autocast)
 
 
 def _split_sample(sample: Any) -> tuple[tuple, dict]:
@@ -310,4 +320,9 @@ def _describe_difference(planned: tuple, got: tuple) -> str:
             return f"argument leaf {i}: planned {a}, got {b}"
     if planned[0] != got[0]:
         return f"argument structure: planned {planned[0]}, got {got[0]}"
+    if planned[3] != got[3]:
+        return ("submodules' train/eval modes differ from the sample's (call train() or eval() before "
+                "Rockmate(...) as for the steps)")
+    if planned[4] != got[4]:
+        return f"autocast (device type, enabled, dtype): planned {planned[4]}, got {got[4]}"
     return "parameters changed dtype, device or requires_grad"

@@ -366,18 +366,7 @@ def _gpt2_logits_class() -> type[nn.Module]:
 
     class GPT2Logits(GPT2LMHeadModel):
         def forward(self, input_ids: Tensor) -> Tensor:  # type: ignore[override]
-            # An explicit 4-D causal mask, built from shapes only. With no mask, HF checks
-            # whether the position ids describe packed sequences (``(mask[:, -1] == 0).all()``
-            # in masking_utils), and with a 2-D padding mask the sdpa path checks whether the
-            # mask can be dropped: both read tensor values in Python, which AOTAutograd cannot
-            # trace (DataDependentOutputException on aten._local_scalar_dense). A 4-D mask is
-            # used as given. It is additive (0 or the dtype's minimum) because the eager
-            # attention adds it to the scores; a boolean mask would only suit sdpa.
-            batch, seq = input_ids.shape
-            future = torch.ones(seq, seq, dtype=torch.bool, device=input_ids.device).triu(1)
-            additive = torch.zeros(seq, seq, dtype=self.dtype, device=input_ids.device)
-            mask = additive.masked_fill(future, torch.finfo(self.dtype).min).expand(batch, 1, seq, seq)
-            output = super().forward(input_ids, attention_mask=mask, use_cache=False, return_dict=False)
+            output = super().forward(input_ids, return_dict=False)
             return output[0]
 
     return GPT2Logits

@@ -13,6 +13,7 @@ from torch._functorch.aot_autograd import aot_function, make_boxed_func
 from torch.func import functional_call
 from torch.utils._pytree import tree_leaves
 
+from rkgraph.capture import traced_as_compiling
 from rockplan.zoo import ZOO, make
 
 NAMES = sorted(ZOO)
@@ -55,7 +56,8 @@ def test_traces_with_aot_autograd_and_matches_eager(name: str) -> None:
         return functional_call(model, {**parameters, **buffers}, call_args[:-1], call_args[-1])
 
     traced = aot_function(functional, fw_compiler=compiler, bw_compiler=compiler)
-    traced_output = traced(params, buffers, *args, kwargs)
+    with traced_as_compiling():  # as rockplan traces: library code takes its traceable path (HF's masks)
+        traced_output = traced(params, buffers, *args, kwargs)
     loss_fn(traced_output, *args).backward()
     assert len(graphs) == 2  # one forward graph, one backward graph: no graph break, no eager fallback
     for traced, eager in zip(tree_leaves(traced_output), tree_leaves(model(*args, **kwargs)), strict=True):
