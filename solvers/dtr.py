@@ -26,6 +26,7 @@ as in Belady's optimal cache eviction, weighted by the same cost and size.
 from __future__ import annotations
 
 import bisect
+import heapq
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -85,13 +86,16 @@ class _Reach:
             entries[top] = found
         return entries[x]
 
-    def changed(self, y: str) -> None:
-        """y opened or closed."""
+    def changed(self, y: str) -> list[str]:
+        """y opened or closed; returns the tensors whose entries are forgotten."""
+        forgotten = []
         stack = list(self.looked.pop(y, ()))
         while stack:
             x = stack.pop()
             if self.entries.pop(x, None) is not None:
+                forgotten.append(x)
                 stack.extend(self.used.pop(x, ()))
+        return forgotten
 
 
 class _DtrRun:
@@ -142,6 +146,12 @@ class _DtrRun:
         self.producers: dict[str, ComputeNode] = {d: graph.node(dn.producer) for d, dn in graph.data.items()
                                                   if dn.producer is not None}
         self.recomputable_memo: dict[str, bool] = {}
+        # Never evicted: held values, empty ones, and outputs of nodes computed once (recomputing
+        # them would draw anew); nor, until the phase boundary, forward outputs (the forward must
+        # return them), nor the inputs of the ops in progress (`pins`), nor what cannot be
+        # brought back.
+        self.never_evicted = frozenset(d for d in graph.data if d in self.held or self.size[d] == 0
+                                       or (d in self.producers and self.once(self.producers[d])))
         self.times = np.array([node.time for node in graph.nodes])
         self.producer_bit = {d: 1 << graph.index[node.name] for d, node in self.producers.items()}
         self.costs: dict[int, float] = {}  # set of nodes (bits) -> their total time
@@ -161,12 +171,6 @@ class _DtrRun:
     def producer(self, d: str) -> ComputeNode:
         return self.producers[d]
 
-    def protected(self, d: str) -> bool:
-        """Never evicted: held values, forward outputs until the phase boundary (the forward must
-        return them), and outputs of nodes computed once (recomputing them would draw anew)."""
-        return (d in self.held or (d in self.forward_outputs and not self.backward_phase)
-                or self.once(self.producer(d)))
-
     def once(self, node: ComputeNode) -> bool:
         """Computed at most once: `random` nodes, and with `keep_drawn` the replayable `rng` ones."""
         return node.random or (self.keep_drawn and node.rng)
@@ -185,9 +189,6 @@ class _DtrRun:
 
     def available(self, d: str) -> bool:
         return d in self.sources or d in self.resident or self.recomputable(d)
-
-    def evictable(self, d: str) -> bool:
-        return (self.size[d] > 0 and not self.pins[d] and not self.protected(d) and self.recomputable(d))
 
     # --- the heuristic ------------------------------------------------------------------------
 
@@ -242,34 +243,51 @@ class _DtrRun:
         when evicting all of them would not be enough."""
         if self.budget is None or self.memory + need <= self.budget:
             return
-        candidates = {d for d in self.resident if self.evictable(d)}
+        # What may be evicted (see `never_evicted`): asked of every resident tensor at every shortfall.
+        pins, memo, forward_outputs = self.pins, self.recomputable_memo, self.forward_outputs
+        candidates = {d for d in self.resident - self.never_evicted
+                      if not pins.get(d) and (self.backward_phase or d not in forward_outputs)
+                      and (memo[d] if d in memo else self.recomputable(d))}
         if self.memory + need - sum(self.size[d] for d in candidates) > self.budget:
             raise InfeasibleBudget(
                 f"DTR cannot run {where} within {self.budget} bytes ({format_bytes(self.budget)}): it needs "
                 f"{self.memory + need - sum(self.size[d] for d in candidates)} bytes and nothing resident "
                 f"can be evicted")
+        # The least key first; ties (free recomputations) go to the largest tensor, then to a fixed
+        # name order. Within one call only costs change (staleness and distances wait for the
+        # next computation), and only those of the tensors whose cached neighbourhood an eviction
+        # made stale: they are scored again, and the heap's older entries for them skipped.
+        score, size = self.score, self.size
+        keys = {d: (score(d), -size[d], d) for d in candidates}
+        heap = list(keys.values())
+        heapq.heapify(heap)
         while self.memory + need > self.budget:
-            # Ties (free recomputations) go to the largest tensor, then to a fixed name order.
-            victim = min(candidates, key=lambda d: (self.score(d), -self.size[d], d))
-            candidates.remove(victim)
-            self.drop(victim)
+            key = heapq.heappop(heap)
+            victim = key[2]
+            if keys.get(victim) != key:
+                continue
+            del keys[victim]
+            stale = self.drop(victim)
             self.evictions += 1
             if self.needed_later(victim):
                 self.evicted.add(victim)
-                self.evicted_changed(victim)
+                stale += self.evicted_changed(victim)
+            for d in stale:
+                if d in keys:
+                    keys[d] = (self.score(d), -self.size[d], d)
+                    heapq.heappush(heap, keys[d])
 
     # --- keeping the caches -------------------------------------------------------------------
 
-    def drop(self, d: str) -> None:
-        """d leaves memory."""
+    def drop(self, d: str) -> list[str]:
+        """d leaves memory; returns the tensors whose cached cost it made stale."""
         self.resident.remove(d)
         self.memory -= self.size[d]
-        if self.costed:
-            self.ancestors.changed(d)
+        return self.ancestors.changed(d) if self.costed else []
 
-    def evicted_changed(self, d: str) -> None:
-        if self.costed:
-            self.descendants.changed(d)
+    def evicted_changed(self, d: str) -> list[str]:
+        """d was evicted, or is no longer; returns the tensors whose cached cost it made stale."""
+        return self.descendants.changed(d) if self.costed else []
 
     # --- running ops --------------------------------------------------------------------------
 
