@@ -182,13 +182,36 @@ class _DtrRun:
         """Whether absent d can be brought back: its producer is not computed once and each of its
         inputs is a source, resident, or recomputable in turn."""
         memo = self.recomputable_memo
-        if d not in memo:
-            node = self.producer(d)
-            memo[d] = not self.once(node) and all(self.available(i) for i in node.inputs)
+        stack = [d]
+        while stack:  # post-order, without recursion: absent chains can be long
+            x = stack[-1]
+            if x in memo:
+                stack.pop()
+                continue
+            node = self.producer(x)
+            if self.once(node):
+                memo[x] = False
+                stack.pop()
+                continue
+            # As `all` would: the inputs in order, up to the first one not available.
+            answer = True
+            for i in node.inputs:
+                if i in self.sources or i in self.resident:
+                    continue
+                if i not in memo:
+                    stack.append(i)
+                    break
+                if not memo[i]:
+                    answer = False
+                    break
+            else:
+                memo[x] = answer
+                stack.pop()
+                continue
+            if not answer:
+                memo[x] = False
+                stack.pop()
         return memo[d]
-
-    def available(self, d: str) -> bool:
-        return d in self.sources or d in self.resident or self.recomputable(d)
 
     # --- the heuristic ------------------------------------------------------------------------
 
