@@ -30,7 +30,7 @@ from solvers import (  # noqa: E402
     solve_store_all,
 )
 from solvers.dtr import HEURISTICS  # noqa: E402
-from tests.graph_factories import random_training_graph  # noqa: E402
+from tests.graph_factories import chain_graph, random_training_graph  # noqa: E402
 
 EXPECTED = Path(__file__).resolve().parent / "data" / "dtr_schedules.json"
 CHECKMATE_RATIOS = (0.95, 0.85, 0.7, 0.55, 0.4, 0.3, 0.2)
@@ -109,3 +109,9 @@ def test_dtr_schedules_are_those_of_the_recursive_replay() -> None:
 
 if __name__ == "__main__":
     EXPECTED.write_text(json.dumps(observed(), indent=0, sort_keys=True) + "\n")
+
+
+def test_dtr_runs_on_chains_longer_than_the_recursion_limit() -> None:
+    graph = chain_graph(3 * sys.getrecursionlimit())
+    schedule = solve_dtr(graph, int(0.3 * solve_store_all(graph).predicted_peak))
+    assert schedule.predicted_time > sum(node.time for node in graph.nodes)  # it recomputed
