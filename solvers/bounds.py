@@ -286,15 +286,19 @@ def min_memory_schedule(graph: RematGraph, checkpoints: Iterable[str] = (), solv
     for node in graph.nodes:
         if node.backward or node.random:
             persistent.update(node.outputs)
+    # Tangents are at hand in the backward phase only.
+    available_in = {False: frozenset(d for d in persistent if graph.data[d].kind != "tangent"),
+                    True: frozenset(persistent)}
     computes: list[str] = []
     forward_count = 0
+    forward_nodes = len(graph.forward_nodes)
     for t, node in enumerate(graph.nodes):
-        if t == len(graph.forward_nodes):
+        if t == forward_nodes:
             forward_count = len(computes)
         if forward_once and not node.backward:
             computes.append(node.name)
             continue
-        available = {d for d in persistent if graph.data[d].kind != "tangent" or node.backward}
+        available = available_in[node.backward]
         missing = to_recompute(graph, node.inputs, available)  # nodes to recompute in this stage
         for producer in missing:
             if graph.index[producer] >= t:
@@ -303,7 +307,7 @@ def min_memory_schedule(graph: RematGraph, checkpoints: Iterable[str] = (), solv
                 raise ValueError(f"node {node.name} reads {d} before it is produced")
         computes.extend(sorted(missing, key=graph.index.__getitem__))
         computes.append(node.name)
-    if len(graph.forward_nodes) == len(graph.nodes):
+    if forward_nodes == len(graph.nodes):
         forward_count = len(computes)
     return schedule_from_computes(graph, computes, forward_count, solver=solver)
 

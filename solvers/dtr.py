@@ -26,9 +26,13 @@ as in Belady's optimal cache eviction, weighted by the same cost and size.
 from __future__ import annotations
 
 import bisect
+import heapq
 import time
-from collections import Counter
+from collections import Counter, defaultdict
+from collections.abc import Callable
 from typing import Literal
+
+import numpy as np
 
 from rkgraph.graph import ComputeNode, RematGraph
 from rkgraph.units import format_bytes
@@ -39,9 +43,77 @@ Heuristic = Literal["dtr", "next_use", "lru", "size"]
 HEURISTICS: tuple[Heuristic, ...] = ("dtr", "next_use", "lru", "size")
 
 
+class _Reach:
+    """For each tensor x, the producers of the tensors reachable from x along `edges` through
+    tensors that are `open` (absent, or evicted): the heuristic's evicted neighbourhood, one
+    direction of it, as a bit set of node indices (unions of long absent chains are then a few
+    machine words each). Cached, and an entry is forgotten only when a tensor it looked at opens
+    or closes, or an entry it was built from is forgotten: C(x) is the union, over x's open
+    neighbours y, of y's producer and C(y), which does not depend on whether x itself is open.
+    So an eviction or a computation costs only the entries it changes."""
+
+    def __init__(self, edges: dict[str, tuple[str, ...]], producer_bit: dict[str, int],
+                 is_open: Callable[[str], bool]) -> None:
+        self.edges = edges
+        self.producer_bit = producer_bit
+        self.is_open = is_open
+        self.entries: dict[str, int] = {}
+        self.looked: dict[str, set[str]] = defaultdict(set)  # y -> entries that read whether y is open
+        self.used: dict[str, set[str]] = defaultdict(set)  # y -> entries built from y's
+
+    def get(self, x: str) -> int:
+        entries = self.entries
+        if x in entries:
+            return entries[x]
+        stack = [x]
+        while stack:  # post-order, without recursion: absent chains can be long
+            top = stack[-1]
+            if top in entries:
+                stack.pop()
+                continue
+            open_neighbours = [y for y in self.edges[top] if self.is_open(y)]
+            missing = [y for y in open_neighbours if y not in entries]
+            if missing:
+                stack.extend(missing)
+                continue
+            stack.pop()
+            found = 0
+            for y in self.edges[top]:
+                self.looked[y].add(top)
+            for y in open_neighbours:
+                self.used[y].add(top)
+                found |= self.producer_bit[y] | entries[y]
+            entries[top] = found
+        return entries[x]
+
+    def changed(self, y: str) -> list[str]:
+        """y opened or closed; returns the tensors whose entries are forgotten."""
+        forgotten = []
+        stack = list(self.looked.pop(y, ()))
+        while stack:
+            x = stack.pop()
+            if self.entries.pop(x, None) is not None:
+                forgotten.append(x)
+                stack.extend(self.used.pop(x, ()))
+        return forgotten
+
+
 class _DtrRun:
     """The state of one simulated DTR run: what is resident, what was evicted, when each tensor
-    was last touched, and the computations performed so far."""
+    was last touched, and the computations performed so far.
+
+    Choosing a victim asks, for every resident tensor, whether it can be brought back and what
+    evicting it would cost; both are walks through the graph (absent ancestors, evicted
+    descendants). They are cached and a cache entry is dropped only where a change of state can
+    alter it, so that each eviction costs about one pass over the resident tensors:
+    - whether a tensor can be recomputed depends on which tensors are available (a source,
+      resident, or recomputable in turn). Evicting changes no availability (only recomputable
+      tensors are evicted), and a tensor made for the first time is no ancestor of anything
+      asked about; the cache is cleared only when a recomputation makes available, or a release
+      makes unavailable, a tensor that was not, or no longer is, recomputable.
+    - the cost walks d's absent ancestors and its evicted descendants: `_Reach` keeps both,
+      told by each change of residency or of evictedness which entries it makes stale.
+    """
 
     def __init__(self, graph: RematGraph, budget: int | None, heuristic: Heuristic, keep_drawn: bool = False) -> None:
         self.graph = graph
@@ -69,17 +141,35 @@ class _DtrRun:
         self.forward_outputs = frozenset(graph.forward_outputs)
         self.readers: dict[str, list[ComputeNode]] = {d: [graph.node(n) for n in users]
                                                       for d, users in graph.users.items()}
+        self.sources = frozenset(d for d in graph.data if graph.is_source(d))
+        self.size = {d: dn.size for d, dn in graph.data.items()}
+        self.producers: dict[str, ComputeNode] = {d: graph.node(dn.producer) for d, dn in graph.data.items()
+                                                  if dn.producer is not None}
+        self.recomputable_memo: dict[str, bool] = {}
+        # Never evicted: held values, empty ones, and outputs of nodes computed once (recomputing
+        # them would draw anew); nor, until the phase boundary, forward outputs (the forward must
+        # return them), nor the inputs of the ops in progress (`pins`), nor what cannot be
+        # brought back.
+        self.never_evicted = frozenset(d for d in graph.data if d in self.held or self.size[d] == 0
+                                       or (d in self.producers and self.once(self.producers[d])))
+        self.times = np.array([node.time for node in graph.nodes])
+        self.producer_bit = {d: 1 << graph.index[node.name] for d, node in self.producers.items()}
+        self.costs: dict[int, float] = {}  # set of nodes (bits) -> their total time
+        self.bytes = (len(graph.nodes) + 7) // 8
+        # Absent ancestors: through the non-source inputs of each producer; evicted descendants:
+        # through the outputs of each reader. Kept only for the heuristics that read them.
+        self.costed = heuristic in ("dtr", "next_use")
+        self.ancestors = _Reach({d: tuple(i for i in node.inputs if i not in self.sources)
+                                 for d, node in self.producers.items()},
+                                self.producer_bit, lambda d: d not in self.resident)
+        self.descendants = _Reach({d: tuple(out for reader in readers for out in reader.outputs)
+                                   for d, readers in self.readers.items()},
+                                  self.producer_bit, self.evicted.__contains__)
 
     # --- what may be dropped ------------------------------------------------------------------
 
     def producer(self, d: str) -> ComputeNode:
-        return self.graph.node(self.graph.data[d].producer)
-
-    def protected(self, d: str) -> bool:
-        """Never evicted: held values, forward outputs until the phase boundary (the forward must
-        return them), and outputs of nodes computed once (recomputing them would draw anew)."""
-        return (d in self.held or (d in self.forward_outputs and not self.backward_phase)
-                or self.once(self.producer(d)))
+        return self.producers[d]
 
     def once(self, node: ComputeNode) -> bool:
         """Computed at most once: `random` nodes, and with `keep_drawn` the replayable `rng` ones."""
@@ -88,47 +178,54 @@ class _DtrRun:
     def needed_later(self, d: str) -> bool:
         return self.last_read[d] > self.position
 
-    def recomputable(self, d: str, memo: dict[str, bool]) -> bool:
+    def recomputable(self, d: str) -> bool:
         """Whether absent d can be brought back: its producer is not computed once and each of its
         inputs is a source, resident, or recomputable in turn."""
-        if d not in memo:
-            node = self.producer(d)
-            memo[d] = not self.once(node) and all(self.available(i, memo) for i in node.inputs)
+        memo = self.recomputable_memo
+        stack = [d]
+        while stack:  # post-order, without recursion: absent chains can be long
+            x = stack[-1]
+            if x in memo:
+                stack.pop()
+                continue
+            node = self.producer(x)
+            if self.once(node):
+                memo[x] = False
+                stack.pop()
+                continue
+            # As `all` would: the inputs in order, up to the first one not available.
+            answer = True
+            for i in node.inputs:
+                if i in self.sources or i in self.resident:
+                    continue
+                if i not in memo:
+                    stack.append(i)
+                    break
+                if not memo[i]:
+                    answer = False
+                    break
+            else:
+                memo[x] = answer
+                stack.pop()
+                continue
+            if not answer:
+                memo[x] = False
+                stack.pop()
         return memo[d]
-
-    def available(self, d: str, memo: dict[str, bool]) -> bool:
-        return self.graph.is_source(d) or d in self.resident or self.recomputable(d, memo)
-
-    def evictable(self, d: str, memo: dict[str, bool]) -> bool:
-        return (not self.protected(d) and not self.pins[d] and self.graph.data[d].size > 0
-                and self.recomputable(d, memo))
 
     # --- the heuristic ------------------------------------------------------------------------
 
-    def evicted_ancestors(self, d: str, memo: dict[str, frozenset[str]]) -> frozenset[str]:
-        """Producers of the absent tensors that recomputing d needs, d's own producer included."""
-        if d not in memo:
-            node = self.producer(d)
-            found = {node.name}
-            for i in node.inputs:
-                if not self.graph.is_source(i) and i not in self.resident:
-                    found |= self.evicted_ancestors(i, memo)
-            memo[d] = frozenset(found)
-        return memo[d]
-
-    def evicted_descendants(self, d: str) -> set[str]:
-        """Producers of the evicted tensors whose recomputation would need d."""
-        found: set[str] = set()
-        stack = [d]
-        seen = {d}
-        while stack:
-            for reader in self.readers[stack.pop()]:
-                for out in reader.outputs:
-                    if out in self.evicted and out not in seen:
-                        seen.add(out)
-                        found.add(reader.name)
-                        stack.append(out)
-        return found
+    def eviction_cost(self, d: str) -> float:
+        """Time of the producers of the absent tensors that recomputing d needs (d's own producer
+        included) and of the evicted tensors still needed whose recomputation would need d:
+        evicting d makes those dearer too."""
+        nodes = self.producer_bit[d] | self.ancestors.get(d) | self.descendants.get(d)
+        if nodes not in self.costs:
+            # Summed in node order: equal sets cost the same whatever the order they were found in.
+            members = np.unpackbits(np.frombuffer(nodes.to_bytes(self.bytes, "little"), dtype=np.uint8),
+                                    bitorder="little", count=len(self.times)).astype(bool)
+            self.costs[nodes] = float(self.times[members].sum())
+        return self.costs[nodes]
 
     def still_needed_from(self, d: str) -> bool:
         """Whether recomputing some evicted tensor still needed would go through d (via absent
@@ -145,16 +242,15 @@ class _DtrRun:
                         stack.append(out)
         return False
 
-    def score(self, d: str, memo: dict[str, frozenset[str]]) -> float:
+    def score(self, d: str) -> float:
         """Lower is evicted first."""
-        size = self.graph.data[d].size
+        size = self.size[d]
         staleness = len(self.computes) - self.last_access[d] + 1
         if self.heuristic == "lru":
             return 1.0 / staleness
         if self.heuristic == "size":
             return 1.0 / size
-        producers = self.evicted_ancestors(d, memo) | self.evicted_descendants(d)
-        cost = sum(self.graph.node(n).time for n in producers)
+        cost = self.eviction_cost(d)
         if self.heuristic == "next_use":
             reads = self.reads[d]
             k = bisect.bisect_right(reads, self.position)
@@ -163,24 +259,58 @@ class _DtrRun:
         return cost / (size * staleness)
 
     def make_room(self, need: int, where: str) -> None:
-        """Evict until `need` more bytes fit under the budget."""
-        if self.budget is None:
+        """Evict until `need` more bytes fit under the budget.
+
+        Evicting changes what no other tensor's eviction depends on (pins, protection, whether
+        it can be brought back), so the candidates are found once and the run fails at once
+        when evicting all of them would not be enough."""
+        if self.budget is None or self.memory + need <= self.budget:
             return
+        # What may be evicted (see `never_evicted`): asked of every resident tensor at every shortfall.
+        pins, memo, forward_outputs = self.pins, self.recomputable_memo, self.forward_outputs
+        candidates = {d for d in self.resident - self.never_evicted
+                      if not pins.get(d) and (self.backward_phase or d not in forward_outputs)
+                      and (memo[d] if d in memo else self.recomputable(d))}
+        if self.memory + need - sum(self.size[d] for d in candidates) > self.budget:
+            raise InfeasibleBudget(
+                f"DTR cannot run {where} within {self.budget} bytes ({format_bytes(self.budget)}): it needs "
+                f"{self.memory + need - sum(self.size[d] for d in candidates)} bytes and nothing resident "
+                f"can be evicted")
+        # The least key first; ties (free recomputations) go to the largest tensor, then to a fixed
+        # name order. Within one call only costs change (staleness and distances wait for the
+        # next computation), and only those of the tensors whose cached neighbourhood an eviction
+        # made stale: they are scored again, and the heap's older entries for them skipped.
+        score, size = self.score, self.size
+        keys = {d: (score(d), -size[d], d) for d in candidates}
+        heap = list(keys.values())
+        heapq.heapify(heap)
         while self.memory + need > self.budget:
-            memo: dict[str, bool] = {}
-            candidates = [d for d in self.resident if self.evictable(d, memo)]
-            if not candidates:
-                raise InfeasibleBudget(
-                    f"DTR cannot run {where} within {self.budget} bytes ({format_bytes(self.budget)}): it needs "
-                    f"{self.memory + need} bytes and nothing resident can be evicted")
-            ancestors: dict[str, frozenset[str]] = {}
-            # Ties (free recomputations) go to the largest tensor, then to a fixed name order.
-            victim = min(candidates, key=lambda d: (self.score(d, ancestors), -self.graph.data[d].size, d))
-            self.resident.remove(victim)
-            self.memory -= self.graph.data[victim].size
+            key = heapq.heappop(heap)
+            victim = key[2]
+            if keys.get(victim) != key:
+                continue
+            del keys[victim]
+            stale = self.drop(victim)
             self.evictions += 1
             if self.needed_later(victim):
                 self.evicted.add(victim)
+                stale += self.evicted_changed(victim)
+            for d in stale:
+                if d in keys:
+                    keys[d] = (self.score(d), -self.size[d], d)
+                    heapq.heappush(heap, keys[d])
+
+    # --- keeping the caches -------------------------------------------------------------------
+
+    def drop(self, d: str) -> list[str]:
+        """d leaves memory; returns the tensors whose cached cost it made stale."""
+        self.resident.remove(d)
+        self.memory -= self.size[d]
+        return self.ancestors.changed(d) if self.costed else []
+
+    def evicted_changed(self, d: str) -> list[str]:
+        """d was evicted, or is no longer; returns the tensors whose cached cost it made stale."""
+        return self.descendants.changed(d) if self.costed else []
 
     # --- running ops --------------------------------------------------------------------------
 
@@ -189,9 +319,9 @@ class _DtrRun:
         program's op at `position`, not a recomputation."""
         self.pins.update(node.inputs)
         for d in node.inputs:
-            if not self.graph.is_source(d) and d not in self.resident:
+            if d not in self.sources and d not in self.resident:
                 self.run(self.producer(d))
-        outputs = sum(self.graph.data[d].size for d in node.outputs)
+        outputs = sum(self.size[d] for d in node.outputs)
         # The simulator charges every output, even one still resident, while the op runs; less
         # what inputs read for the last time die inside it (freed right after it).
         released = released_inside(self.graph, node, self.dying(node)) if program and node.releases else 0
@@ -200,9 +330,15 @@ class _DtrRun:
         self.computes.append(node.name)
         for d in node.outputs:
             if d not in self.resident:
+                if self.recomputable_memo.get(d) is False:  # made available: the answers may change
+                    self.recomputable_memo.clear()
+                if self.costed:
+                    self.ancestors.changed(d)
                 self.resident.add(d)
-                self.memory += self.graph.data[d].size
-            self.evicted.discard(d)
+                self.memory += self.size[d]
+            if d in self.evicted:
+                self.evicted.discard(d)
+                self.evicted_changed(d)
             self.last_access[d] = step
         for d in node.inputs:
             self.last_access[d] = step
@@ -219,7 +355,9 @@ class _DtrRun:
         """Drop what the program will never read again (DTR frees a tensor when its last
         reference goes). An output of a node computed once stays while an absent tensor still needed
         would have to be recomputed from it: it could not be brought back itself."""
-        self.evicted = {d for d in self.evicted if self.needed_later(d)}
+        for d in [d for d in self.evicted if not self.needed_later(d)]:
+            self.evicted.remove(d)
+            self.evicted_changed(d)
         dead = [d for d in self.resident if not (self.needed_later(d) or d in self.held
                                                   or (d in self.forward_outputs and not self.backward_phase))]
         # Random nodes' outputs last: whether one is still needed depends on which of the
@@ -229,13 +367,14 @@ class _DtrRun:
         for d in sorted(dead, key=lambda d: self.once(self.producer(d))):
             if self.once(self.producer(d)) and self.still_needed_from(d):
                 continue
-            self.resident.remove(d)
-            self.memory -= self.graph.data[d].size
+            self.drop(d)
+            if not self.recomputable(d):  # no longer available: the answers may change
+                self.recomputable_memo.clear()
 
     def enter_backward(self) -> None:
         """Tangents arrive while the forward outputs are still alive (as in the simulator)."""
         self.resident.update(self.tangents)
-        self.memory += sum(self.graph.data[d].size for d in self.tangents)
+        self.memory += sum(self.size[d] for d in self.tangents)
         self.make_room(0, "the start of the backward phase")
         self.backward_phase = True  # from here on forward outputs are ordinary tensors
         self.release_dead()

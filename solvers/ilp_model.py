@@ -93,7 +93,12 @@ class MilpBuilder:
         self.coo_col.extend(cols)
         self.coo_val.extend(vals)
 
-    def highs(self) -> highspy.Highs:
+    def highs(self) -> highspy._Highs:
+        """The model in a HiGHS instance that prints nothing.
+
+        HiGHS's core object, not `highspy.Highs`: that wrapper enables callbacks as it is
+        constructed, and HiGHS then prints its banner on stdout (once per process) before any
+        option can be set. No callback is used here."""
         lp = highspy.HighsLp()
         lp.num_col_ = len(self.lower)
         lp.num_row_ = len(self.row_lower)
@@ -112,7 +117,7 @@ class MilpBuilder:
         lp.a_matrix_.num_row_ = lp.num_row_
         lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
                            for i in self.integer]
-        h = highspy.Highs()
+        h = highspy._Highs()
         h.setOptionValue("output_flag", False)
         h.passModel(lp)
         return h

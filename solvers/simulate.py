@@ -365,7 +365,8 @@ def free_at_last_use(graph: RematGraph, computes: Sequence[str], forward_count: 
         if p == forward_count:
             ops.extend(Op("free", d) for d in boundary_frees)
         ops.append(Op("compute", name))
-        ops.extend(Op("free", d) for d in frees_after[p])
+        if p in frees_after:
+            ops.extend([Op("free", d) for d in frees_after[p]])
         if p == forward_count - 1:
             forward_length = len(ops)
     if forward_count == 0:

@@ -1,0 +1,302 @@
+"""Planning time: everything `Rockmate(model, sample, budget)` does, by stage and by solver.
+
+    python benchmarks/plan_time.py                      # every model below, at 0.7 of the peak
+    python benchmarks/plan_time.py --models resnet50,gpt2-l12 --ratio 0.5
+
+Each model is planned in a fresh interpreter (`--one NAME` is that child's entry point), so
+that the peak memory it reports is the planner's and imports and caches do not carry over.
+Per model: graph nodes (autograd's graph, after the rewrites), and seconds spent
+- capture: tracing the step with AOTAutograd on fake tensors, rewrites, and generating the
+  code of the plan (everything but the two stages below);
+- profile: building the RematGraph of each graph planned, costing it (measured by replaying the
+  step, or estimated: `--profile`) and cutting it into blocks;
+- solve: the portfolio, split by its stages (the proven floors, DTR's variants, saved values,
+  peak shaving, greedy checkpoints, the chain of blocks, the flat MILP), and the referee;
+and the process's peak resident memory (ru_maxrss) with how much of it planning added.
+The GPT-2 depth series (`gpt2-l12`, `-l24`, `-l48`) plans on estimated costs whatever
+`--profile` says: it shows how planning grows with depth, not how long measuring takes.
+The page, docs/benchmarks/plan-time.md (`--out`), has the table and a plot of planning time
+against nodes beside it (`.png`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import resource
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_page import PAGES, write_page  # noqa: E402  (beside this script, on its path)
+
+MODELS = ("mlp", "resnet", "gpt", "unet", "resnet50", "hf-gpt2", "t5-small", "bert", "llama",
+          "gpt2-l12", "gpt2-l24", "gpt2-l48")
+DEPTH_SERIES = {"gpt2-l12": 12, "gpt2-l24": 24, "gpt2-l48": 48}
+# The solve stage's parts, by the names `solvers.portfolio` and `rockplan.planner` call them:
+# (module, function) -> column. The lean variant's floor is proven by the planner, outside the
+# portfolio's call; everything else here runs inside it.
+SOLVE_PARTS = {
+    ("solvers.portfolio", "check_budget"): "memory bounds",
+    ("solvers.portfolio", "time_lower_bound"): "time floor",
+    ("rockplan.planner", "time_lower_bound"): "time floor (lean, planner)",
+    ("solvers.portfolio", "solve_dtr"): "DTR",
+    ("solvers.portfolio", "saved_values_attempts"): "saved values",
+    ("solvers.portfolio", "solve_peak_shaving"): "peak shaving",
+    ("solvers.portfolio", "solve_greedy_checkpoints"): "greedy ckpt",
+    ("solvers.portfolio", "chain_schedules"): "chain",
+    ("solvers.portfolio", "solve_milp"): "flat MILP",
+    ("rockplan.planner", "simulate"): "referee",
+}
+OUTSIDE_PORTFOLIO = "time floor (lean, planner)"
+
+
+# --- the models ------------------------------------------------------------------------------
+
+
+def _resnet50() -> tuple:
+    """ResNet-50's layout (bottleneck blocks 3, 4, 6, 3; torchvision's widths) on 64x64 images."""
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    class Bottleneck(nn.Module):
+        def __init__(self, channels_in: int, width: int, stride: int) -> None:
+            super().__init__()
+            out = 4 * width
+            self.body = nn.Sequential(
+                nn.Conv2d(channels_in, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+                nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(width),
+                nn.ReLU(inplace=True), nn.Conv2d(width, out, 1, bias=False), nn.BatchNorm2d(out))
+            self.skip = (nn.Identity() if stride == 1 and channels_in == out else
+                         nn.Sequential(nn.Conv2d(channels_in, out, 1, stride=stride, bias=False), nn.BatchNorm2d(out)))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.relu(self.body(x) + self.skip(x))
+
+    layers: list[nn.Module] = [nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(64),
+                               nn.ReLU(inplace=True), nn.MaxPool2d(3, stride=2, padding=1)]
+    channels = 64
+    for stage, (width, blocks) in enumerate(zip((64, 128, 256, 512), (3, 4, 6, 3))):
+        for b in range(blocks):
+            layers.append(Bottleneck(channels, width, 2 if b == 0 and stage > 0 else 1))
+            channels = 4 * width
+    model = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 1000))
+    x = torch.randn(8, 3, 64, 64)
+    labels = torch.randint(0, 1000, (8,))
+    return model, (x,), lambda logits, *_: F.cross_entropy(logits, labels)
+
+
+def _hf(kind: str) -> tuple:
+    """Hugging Face models from configs (random weights, nothing downloaded), loss included."""
+    import torch
+    from torch import nn
+
+    batch, seq = 2, 128
+    options = {"use_cache": False}
+    ids = torch.randint(0, 1000, (batch, seq))
+    if kind == "t5-small":
+        from transformers import T5Config, T5ForConditionalGeneration
+
+        config = T5Config(vocab_size=32128, d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_heads=8,
+                          decoder_start_token_id=0, pad_token_id=0)
+        model: nn.Module = T5ForConditionalGeneration(config)
+        call = {"input_ids": ids, "labels": ids}
+    elif kind == "bert":
+        from transformers import BertConfig, BertForSequenceClassification
+
+        model = BertForSequenceClassification(BertConfig())  # BERT-base's shape
+        call = {"input_ids": ids, "labels": torch.zeros(batch, dtype=torch.long)}
+        options = {}
+    else:  # a Llama-style decoder, small
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                             num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=seq)
+        model = LlamaForCausalLM(config)
+        call = {"input_ids": ids, "labels": ids}
+
+    class Step(nn.Module):
+        """The model's own loss, returned as a tensor: the module planned."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, **kwargs: torch.Tensor) -> torch.Tensor:
+            return self.model(**kwargs, **options, return_dict=False)[0]
+
+    return Step(), ((), call), None
+
+
+def build(name: str) -> tuple:
+    """(module to plan, sample) for model `name`: the loss is inside the planned module."""
+    from rockplan import zoo
+
+    if name == "resnet50":
+        model, sample, loss = _resnet50()
+    elif name in ("t5-small", "bert", "llama"):
+        model, sample, loss = _hf(name)
+    elif name == "hf-gpt2" or name in DEPTH_SERIES:
+        model, sample, _, loss = zoo.make("hf_gpt2", "gpt2", n_layer=DEPTH_SERIES.get(name))
+    else:
+        model, sample, _, loss = zoo.make(name, "default")
+    return (zoo.WithLoss(model, loss) if loss is not None else model), sample
+
+
+# --- one plan, timed (the child process) -----------------------------------------------------
+
+
+@contextlib.contextmanager
+def timed(module: object, name: str, into: dict[str, float], label: str) -> Iterator[None]:
+    """Add the seconds spent in `module.name` to `into[label]` while the block runs (a
+    generator function is timed until exhausted)."""
+    original = getattr(module, name)
+
+    @functools.wraps(original)
+    def wrapper(*args: object, **kwargs: object) -> object:
+        start = time.perf_counter()
+        try:
+            result = original(*args, **kwargs)
+            return list(result) if name == "saved_values_attempts" else result
+        finally:
+            into[label] += time.perf_counter() - start
+
+    setattr(module, name, wrapper)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+def _rss() -> int:
+    """Resident memory now, in bytes (Linux)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def plan_one(name: str, ratio: float, profile: str) -> dict[str, object]:
+    import importlib
+
+    import torch
+
+    from rockplan import Rockmate
+    from solvers import InfeasibleBudget
+
+    torch.manual_seed(0)
+    model, sample = build(name)
+    profile = "estimate" if name in DEPTH_SERIES else profile
+    seconds: dict[str, float] = defaultdict(float)
+    stack = contextlib.ExitStack()
+    planner = importlib.import_module("rockplan.planner")
+    stack.enter_context(timed(planner, "costed_graph", seconds, "profile"))
+    for (module_name, attr), label in SOLVE_PARTS.items():
+        stack.enter_context(timed(importlib.import_module(module_name), attr, seconds, label))
+    stack.enter_context(timed(planner, "_solve", seconds, "portfolio"))
+    rss_before = _rss()
+    start = time.perf_counter()
+    outcome = "planned"
+    with stack:
+        try:
+            rk = Rockmate(model, sample, ratio, profile=profile)
+            plan = rk.plan
+            nodes = len(plan.times)  # autograd's graph, after the rewrites
+            outcome = f"{plan.schedule.extra.get('schedule_from', plan.schedule.solver)}"
+        except InfeasibleBudget:
+            nodes, outcome = 0, "infeasible"
+    total = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"model": name, "profile": profile, "nodes": nodes, "total": total, "outcome": outcome,
+            "seconds": dict(seconds), "peak_rss": peak, "planning_rss": max(0, peak - rss_before)}
+
+
+# --- the page (the parent process) -----------------------------------------------------------
+
+
+def markdown(rows: list[dict[str, object]], ratio: float) -> str:
+    stages = [label for label in SOLVE_PARTS.values() if any(label in r["seconds"] for r in rows)]
+    lines = [
+        f"Budget: {ratio} of the step's peak without rematerialization. Seconds per stage; "
+        "capture = total - profile - solve (tracing, rewrites, code generation). The columns after "
+        "solve split it by part (solve also counts what is not listed: the referee's replays inside "
+        "the solvers, the baselines); the lean variant's solve counts in the same columns. Peak RSS: "
+        "the planning process's, and how much planning added to what the model and its inputs held. "
+        "Plan from: the portfolio's member whose schedule was kept.",
+        "",
+        f"| model | profile | nodes | total s | capture s | profile s | solve s | {' | '.join(stages)} | "
+        "peak RSS | planning added | plan from |",
+        f"|---|---|---|---|---|---|---|{'---|' * len(stages)}---|---|---|",
+    ]
+    for r in rows:
+        s = r["seconds"]
+        solve = s.get("portfolio", 0.0) + s.get(OUTSIDE_PORTFOLIO, 0.0)
+        capture = r["total"] - s.get("profile", 0.0) - solve
+        cells = [f"{s.get(k, 0.0):.2f}" for k in stages]
+        lines.append(f"| {r['model']} | {r['profile']} | {r['nodes']} | {r['total']:.1f} | {capture:.1f} | "
+                     f"{s.get('profile', 0.0):.1f} | {solve:.1f} | {' | '.join(cells)} | "
+                     f"{r['peak_rss'] / 2**20:.0f} MiB | {r['planning_rss'] / 2**20:.0f} MiB | {r['outcome']} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, object]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        if not r["nodes"]:
+            continue
+        solve = r["seconds"].get("portfolio", 0.0) + r["seconds"].get(OUTSIDE_PORTFOLIO, 0.0)
+        ax.scatter(r["nodes"], r["total"], color="tab:blue")
+        ax.scatter(r["nodes"], solve, color="tab:orange", marker="x")
+        ax.annotate(r["model"], (r["nodes"], r["total"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.scatter([], [], color="tab:blue", label="total (capture + profile + solve)")
+    ax.scatter([], [], color="tab:orange", marker="x", label="solve")
+    ax.set_xlabel("graph nodes")
+    ax.set_ylabel("seconds")
+    ax.set_title("Planning time against graph size")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--ratio", type=float, default=0.7)
+    parser.add_argument("--profile", choices=("measure", "estimate"), default="measure")
+    parser.add_argument("--out", type=Path, default=PAGES / "plan-time.md", help="the generated page")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # the child: plan this model, print JSON
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(plan_one(args.one, args.ratio, args.profile)))
+        return
+    rows = []
+    for name in args.models.split(","):
+        done = subprocess.run([sys.executable, __file__, "--one", name, "--ratio", str(args.ratio),
+                               "--profile", args.profile], capture_output=True, text=True)
+        if done.returncode != 0:
+            print(f"{name}: failed\n{done.stderr[-2000:]}", file=sys.stderr, flush=True)
+            continue
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        r = rows[-1]
+        print(f"{name}: {r['nodes']} nodes, {r['total']:.1f} s, {r['outcome']}", flush=True)
+        write_page(args.out, "Planning time by stage", markdown(rows, args.ratio))
+        plot(rows, args.out.with_suffix(".png"))
+    print(args.out.read_text())
+
+
+if __name__ == "__main__":
+    main()
