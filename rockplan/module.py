@@ -34,6 +34,7 @@ from rkgraph.capture import (
 )
 from rkgraph.graph import RematGraph
 from rkgraph.rewrites import apply_rewrites
+from rockplan import progress
 from rockplan.backend import GraphBreaks, GraphPlan
 from rockplan.budget import check_gradients_fit
 from rockplan.codegen import generate
@@ -233,6 +234,7 @@ class Rockmate(nn.Module):
             held = [s.plan for s in reversed(self._steps.values())] if self.on_new_input == "reuse" else []
             reused = (reuse(joint, self.budget_spec, self.options, p, real) for p in held)
             planned.append(next(filter(None, reused), None) or plan(joint, self.budget_spec, self.options, real))
+            progress.stage("generate")
             return generate(planned[0].joint, planned[0].graph, planned[0].schedule)
 
         if self.backend == "inductor":
@@ -240,7 +242,9 @@ class Rockmate(nn.Module):
             compiled = training_function(self.model, flat, plan_and_generate, compiler, decompositions())
         else:
             compiled = training_function(self.model, flat, plan_and_generate, boxed_nop)
-        trace(self.model, flat, compiled, args, kwargs, native_kernels=self.backend != "inductor")
+        with progress.Progress(self.options.name):
+            progress.stage("capture")
+            trace(self.model, flat, compiled, args, kwargs, native_kernels=self.backend != "inductor")
         if not planned:  # AOTAutograd partitions only a step with a backward
             raise ValueError(
                 f"no output of {type(self.model).__name__} requires grad for this input: there is no backward to "

@@ -31,6 +31,7 @@ from rkgraph.capture import JointGraph
 from rkgraph.graph import RematGraph
 from rkgraph.rewrites import lean_variant
 from rkgraph.units import format_bytes
+from rockplan import progress
 from rockplan.budget import parse_budget
 from rockplan.memory import cuda_blocks_fit_requests
 from rockplan.plan_file import PlanMismatch, load_plan
@@ -110,6 +111,7 @@ def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = Pl
     buffers, inputs) are what measured profiles run on; without them times are estimated.
     Raises InfeasibleBudget, stating the smallest feasible budget, when nothing fits, and
     PlanMismatch when a plan file is for another graph."""
+    progress.stage("profile")
     graph = costed_graph(joint, real_inputs, options.profile, options)
     if any(t.device.type == "cuda" for t in real_inputs or ()) and not cuda_blocks_fit_requests():
         warnings.warn("CUDA's caching allocator without expandable segments can give a tensor a larger "
@@ -122,6 +124,7 @@ def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = Pl
              format_bytes(budget), format_bytes(reference.predicted_peak))
     chosen: tuple[JointGraph, RematGraph, Schedule] | None = None
     failure: Exception | None = None
+    progress.stage("solve")
     try:
         chosen = (joint, graph, _solve(graph, budget, options))
     except (InfeasibleBudget, PlanMismatch) as e:
@@ -133,6 +136,7 @@ def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = Pl
     lean = lean_variant(joint) if needs_less_memory and options.lean_variant else None
     if lean is not None:
         # Its own ops timed in place, unless the reference's times are estimates.
+        progress.stage("profile the lean variant")
         lean_graph = costed_graph(lean, real_inputs, "estimate" if options.profile == "estimate" else "measure",
                                   options, shared=graph)
         # Proven once: it says whether solving can pay, and the portfolio's search starts from it.
@@ -142,6 +146,7 @@ def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = Pl
         hopeless = chosen is not None and floor is not None and floor[0] >= chosen[2].predicted_time
         other = None
         if not hopeless:
+            progress.stage("solve the lean variant")
             try:
                 other = _solve(lean_graph, budget, options, floor)
             except (InfeasibleBudget, PlanMismatch) as e:
