@@ -51,7 +51,20 @@ def _signature(model: nn.Module, args: tuple, kwargs: dict) -> tuple:
         ("tensor", tuple(x.shape), x.dtype, x.device, x.requires_grad) if isinstance(x, torch.Tensor) else x
         for x in leaves
     )
-    return (str(spec), described, tuple((p.dtype, p.device, p.requires_grad) for p in model.parameters()))
+    return (str(spec), described, tuple((p.dtype, p.device, p.requires_grad) for p in model.parameters()),
+            autocast_state())
+
+
+def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
+    """The autocast contexts a call runs under: (device type, dtype) of each enabled one.
+
+    A step traced under autocast has its casts in the graph (AOTAutograd traces through the
+    autocast dispatch key) and runs with autocast off; a step traced without it has none and
+    runs its ops as they are. Either run under the other state would compute in dtypes the
+    plan did not size (or fail on a mixed-dtype product), so the state selects the plan.
+    """
+    return tuple((device, torch.get_autocast_dtype(device)) for device in torch._C._autocast_supported_devices()
+                 if torch.is_autocast_enabled(device))
 
 
 def _split_sample(sample: Any) -> tuple[tuple, dict]:
@@ -224,4 +237,6 @@ def _describe_difference(planned: tuple, got: tuple) -> str:
             return f"argument leaf {i}: planned {a}, got {b}"
     if planned[0] != got[0]:
         return f"argument structure: planned {planned[0]}, got {got[0]}"
+    if planned[-1] != got[-1]:
+        return f"autocast: planned under {planned[-1] or 'none'}, called under {got[-1] or 'none'}"
     return "parameters changed dtype, device or requires_grad"
