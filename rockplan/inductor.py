@@ -21,6 +21,34 @@ def decompositions() -> dict:
     return select_decomp_table()
 
 
+def seed_random_ops(joint: fx.GraphModule) -> int:
+    """Rewrite `joint`'s random ops as Inductor's seeded ones, as torch.compile does to the joint
+    graph before partitioning it (Inductor's joint-graph passes); returns how many were rewritten.
+
+    Inductor lowers no `aten.rand` of its own: torch.compile replaces each by
+    `inductor_random(shape, lookup_seed(seeds, i))`, with one `inductor_seeds` draw from the
+    device's generator per step. Our partition step stands in for torch.compile's, so it must
+    do the same, or Inductor refuses the graph. A seeded op is a function of its seed, so a
+    recomputed dropout draws the same mask without any replay: only the seeds' draw (an op
+    tagged random, so planned to run once) must not run twice. With `fallback_random` set,
+    Inductor runs the random ops as ATen's kernels instead, and they stay as they are.
+    """
+    from torch._guards import detect_fake_mode
+    from torch._inductor import config
+    from torch._inductor.fx_passes.replace_random import replace_random_passes
+    from torch._inductor.virtualized import V
+
+    if config.fallback_random:
+        return 0
+    values = [n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")]
+    with V.set_fake_mode(detect_fake_mode(values)):  # the new nodes' values are made in it
+        count = replace_random_passes(joint)
+    if count:
+        joint.graph.lint()
+        joint.recompile()
+    return count
+
+
 def inductor_compiler(num_fwd_outputs: Callable[[], int]) -> Callable[[fx.GraphModule, Any], Any]:
     """AOTAutograd's compiler for one planned step: Inductor for real tensors; the fx code
     itself for the fake call that triggers planning, since Inductor's kernels allocate real

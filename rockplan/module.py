@@ -26,7 +26,7 @@ from rkgraph.rewrites import apply_rewrites
 from rockplan.codegen import generate
 from rockplan.decisions import decide
 from rockplan.explain import explain
-from rockplan.inductor import decompositions, inductor_compiler
+from rockplan.inductor import decompositions, inductor_compiler, seed_random_ops
 from rockplan.plan_file import export_plan
 from rockplan.planner import DEFAULT_SOLVER, Plan, PlanOptions, plan
 from rockplan.plots import plot_memory
@@ -63,8 +63,13 @@ def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
     runs its ops as they are. Either run under the other state would compute in dtypes the
     plan did not size (or fail on a mixed-dtype product), so the state selects the plan.
     """
-    return tuple((device, torch.get_autocast_dtype(device)) for device in torch._C._autocast_supported_devices()
+    return tuple((device, torch.get_autocast_dtype(device)) for device in _AUTOCAST_DEVICES
                  if torch.is_autocast_enabled(device))
+
+
+# Read once: Dynamo cannot trace the C function that lists them, and `torch.compile(rk)` traces
+# `forward`, which reads the autocast state.
+_AUTOCAST_DEVICES = tuple(torch._C._autocast_supported_devices())
 
 
 def _split_sample(sample: Any) -> tuple[tuple, dict]:
@@ -176,6 +181,8 @@ class Rockmate(nn.Module):
         planned: list[Plan] = []
 
         def plan_and_generate(joint_module: fx.GraphModule, _inputs: Any, *, num_fwd_outputs: int, **_: Any):
+            if self.backend == "inductor":
+                seed_random_ops(joint_module)
             joint = apply_rewrites(joint_graph(flat, joint_module, num_fwd_outputs))
             planned.append(plan(joint, self.budget_spec, self.options, real))
             return generate(planned[0].joint, planned[0].graph, planned[0].schedule)
