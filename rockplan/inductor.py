@@ -115,7 +115,10 @@ def inductor_compiler(num_fwd_outputs: Callable[[], int]) -> Callable[[fx.GraphM
         output.meta["user_visible_output_idxs"] = [i for i in visible if isinstance(output.args[0][i], fx.Node)]
 
         on_fakes = boxed_nop(copy.deepcopy(gm), example_inputs)
-        compiled = compile_fx_inner(gm, example_inputs, is_backward=backward)
+        # The graph's order is the schedule, whose frees the plan's peak counts on: Inductor
+        # must not reorder it for its own estimate of memory.
+        with config.patch(reorder_for_peak_memory=False):
+            compiled = compile_fx_inner(gm, example_inputs, is_backward=backward)
         if not backward:
             forward_output_strides[:] = [static(s) for s in getattr(compiled, "output_strides", None) or []]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,15 @@ from rockplan.plots import plot_memory
 from solvers import Schedule
 
 log = logging.getLogger(__name__)
+
+
+TORCH_COMPILE_WARNING = (
+    "torch.compile does not compile a Rockmate module's training step: compiled, the step would "
+    "keep what torch.compile's partitioner chooses, not what the plan keeps, and its memory "
+    "would not be bounded by the budget. The step runs as planned, uncompiled; code around the "
+    "module is still compiled. To run the planned step compiled by Inductor, build the module "
+    "with Rockmate(..., backend='inductor')."
+)
 
 
 @dataclass
@@ -123,6 +133,7 @@ class Rockmate(nn.Module):
                                    plan_file=plan_file, replay_rng=backend != "inductor",
                                    lean_variant=backend != "inductor", name=type(model).__name__)
         self._steps: dict[tuple, PlannedStep] = {}
+        self._warned_torch_compile = False
         args, kwargs = _split_sample(sample)
         self._sample_signature = _signature(model, args, kwargs)
         self._current = self._plan(args, kwargs)
@@ -201,6 +212,18 @@ class Rockmate(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.training and torch.is_grad_enabled()):
             return self.model(*args, **kwargs)  # no backward to plan for: the plain forward
+        # Dynamo sees True here when torch.compile traces this forward; the step runs as planned.
+        return self._planned_step(torch.compiler.is_compiling(), args, kwargs)
+
+    @torch.compiler.disable
+    def _planned_step(self, under_torch_compile: bool, args: tuple, kwargs: dict) -> Any:
+        """The planned step, never traced by Dynamo: traced, its forward would be compiled
+        again by AOTAutograd, whose partitioner (not the plan) would then decide what the
+        backward keeps, and Inductor would reorder and fuse it: the step's memory would be
+        neither planned nor checked against the budget."""
+        if under_torch_compile and not self._warned_torch_compile:
+            self._warned_torch_compile = True
+            warnings.warn(TORCH_COMPILE_WARNING, stacklevel=2)
         signature = _signature(self.model, args, kwargs)
         step = self._steps.get(signature)
         if step is None:
