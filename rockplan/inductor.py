@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import fx
 from torch._dynamo.backends.debugging import boxed_nop
 
@@ -19,6 +20,34 @@ def decompositions() -> dict:
     from torch._inductor.decomposition import select_decomp_table
 
     return select_decomp_table()
+
+
+def measured_step_peak(compiled: Callable[..., Any], tensors: list[torch.Tensor], num_params: int) -> int:
+    """Bytes the planned step `compiled` (AOTAutograd's callable over parameters, buffers and
+    input tensors, in that order) allocates at its peak: its forward, then its backward from
+    all-ones output gradients, on real tensors (as measured profiles run), after one warm-up
+    step (Inductor's first call allocates once). Nothing of the model changes: the step runs
+    on detached parameters (their gradients are dropped) and on copies of the other tensors
+    (buffers it updates), and the user's random stream is restored."""
+    from rkgraph.capture import preserved_rng
+    from rockplan.memory import MemoryTracker
+
+    def step() -> None:
+        leaves = [t.detach().requires_grad_(t.requires_grad) if i < num_params
+                  else t.detach().clone().requires_grad_(t.requires_grad) for i, t in enumerate(tensors)]
+        with MemoryTracker(device) as tracker:
+            outputs = [o for o in pytree.tree_leaves(compiled(*leaves))
+                       if isinstance(o, torch.Tensor) and o.requires_grad]
+            torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
+            del outputs
+        peaks.append(tracker.peak)
+
+    device = next((t.device for t in tensors if t.device.type != "cpu"), torch.device("cpu"))
+    peaks: list[int] = []
+    with preserved_rng(), torch.enable_grad():
+        step()
+        step()
+    return peaks[-1]
 
 
 def seed_random_ops(joint: fx.GraphModule) -> int:

@@ -8,6 +8,7 @@ runtime then runs them in one autograd.Function and applies buffer mutations onc
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import warnings
@@ -27,14 +28,17 @@ from rkgraph.rewrites import apply_rewrites
 from rockplan.codegen import generate
 from rockplan.decisions import decide
 from rockplan.explain import explain
-from rockplan.inductor import decompositions, inductor_compiler, seed_random_ops
+from rockplan.inductor import decompositions, inductor_compiler, measured_step_peak, seed_random_ops
 from rockplan.plan_file import export_plan
 from rockplan.planner import DEFAULT_SOLVER, Plan, PlanOptions, plan
 from rockplan.plots import plot_memory
-from solvers import Schedule
+from solvers import InfeasibleBudget, Schedule
 
 log = logging.getLogger(__name__)
 
+
+# Plans made again, each tighter, when Inductor's compiled step measures over the budget.
+INDUCTOR_REFITS = 2
 
 TORCH_COMPILE_WARNING = (
     "torch.compile does not compile a Rockmate module's training step: compiled, the step would "
@@ -185,8 +189,46 @@ class Rockmate(nn.Module):
 
     # --- planning ------------------------------------------------------------------------------
     def _plan(self, args: tuple, kwargs: dict) -> PlannedStep:
-        """Capture the step on fake tensors and plan it, inside AOTAutograd's partition step."""
+        """Capture the step on fake tensors and plan it, inside AOTAutograd's partition step;
+        with Inductor, measure the compiled step and plan again tighter while it exceeds the budget."""
         start = time.perf_counter()
+        step = self._plan_within(self.budget_spec, self.options, args, kwargs)
+        if self.backend == "inductor":
+            step = self._fit_compiled_step(step, args, kwargs)
+        step.plan_time = time.perf_counter() - start
+        self._steps[_signature(self.model, args, kwargs)] = step
+        return step
+
+    def _fit_compiled_step(self, step: PlannedStep, args: tuple, kwargs: dict) -> PlannedStep:
+        """The plan as Inductor runs it, within the budget as measured. Inductor fuses and
+        orders the generated backward its own way (a fused kernel allocates all its outputs at
+        once; a recomputation fused with a later reader is made early), so the compiled step
+        can hold more than the schedule: each plan's compiled step is run once on real tensors
+        and, while it peaks over the budget, the step is planned again for a budget smaller by
+        the excess (on the same node times). The plan keeps the user's budget."""
+        budget = step.plan.budget
+        planned_for, peaks = budget, []
+        for _ in range(INDUCTOR_REFITS + 1):
+            peaks.append(measured_step_peak(step.compiled, flat_tensors(self.model, step.flat, args, kwargs),
+                                            len(step.flat.param_names)))
+            if peaks[-1] <= budget:
+                step.plan = dataclasses.replace(step.plan, budget=budget)
+                return step
+            planned_for -= peaks[-1] - budget
+            log.warning("Inductor's compiled step peaks at %d bytes, over the budget of %d: planning again "
+                        "for %d bytes", peaks[-1], budget, planned_for)
+            try:
+                step = self._plan_within(planned_for, dataclasses.replace(self.options, profile=step.plan.times),
+                                         args, kwargs)
+            except InfeasibleBudget:
+                break
+        raise InfeasibleBudget(
+            f"Inductor's compiled step does not fit the budget of {budget} bytes: it measured "
+            f"{', '.join(map(str, peaks))} bytes for plans made ever tighter (Inductor fuses and orders the "
+            "backward's recomputations its own way, holding more than the plan). Give a larger budget, "
+            "or use backend='eager', which runs the plan as it is.")
+
+    def _plan_within(self, budget: int | float | str, options: PlanOptions, args: tuple, kwargs: dict) -> PlannedStep:
         flat = flatten_call(self.model, args, kwargs)
         real = flat_tensors(self.model, flat, args, kwargs)
         planned: list[Plan] = []
@@ -195,7 +237,7 @@ class Rockmate(nn.Module):
             if self.backend == "inductor":
                 seed_random_ops(joint_module)
             joint = apply_rewrites(joint_graph(flat, joint_module, num_fwd_outputs))
-            planned.append(plan(joint, self.budget_spec, self.options, real))
+            planned.append(plan(joint, budget, options, real))
             return generate(planned[0].joint, planned[0].graph, planned[0].schedule)
 
         if self.backend == "inductor":
@@ -204,9 +246,7 @@ class Rockmate(nn.Module):
         else:
             compiled = training_function(self.model, flat, plan_and_generate, boxed_nop)
         trace(self.model, flat, compiled, args, kwargs, native_kernels=self.backend != "inductor")
-        step = PlannedStep(planned[0], compiled, flat, time.perf_counter() - start)
-        self._steps[_signature(self.model, args, kwargs)] = step
-        return step
+        return PlannedStep(planned[0], compiled, flat, 0.0)
 
     # --- running -------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
