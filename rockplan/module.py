@@ -215,6 +215,8 @@ class Rockmate(nn.Module):
                 step.plan = dataclasses.replace(step.plan, budget=budget)
                 return step
             planned_for -= peaks[-1] - budget
+            if planned_for <= 0:
+                break
             log.warning("Inductor's compiled step peaks at %d bytes, over the budget of %d: planning again "
                         "for %d bytes", peaks[-1], budget, planned_for)
             try:
