@@ -131,8 +131,9 @@ class Rockmate(nn.Module):
         self.budget_spec = budget
         self.backend = backend
         self.on_new_input = on_new_input
-        # Inductor compiles the graphs whole, so it cannot call our RNG replay: random ops run
-        # once; and it lowers attention its own way, so no lean variant is planned for it.
+        # Inductor compiles the graphs whole, so it cannot call our RNG replay: its random ops
+        # are seeded instead (`seed_random_ops`); and it lowers attention its own way, so no
+        # lean variant is planned for it.
         self.options = PlanOptions(solver=solver, solver_options=dict(solver_options or {}), profile=profile,
                                    plan_file=plan_file, replay_rng=backend != "inductor",
                                    lean_variant=backend != "inductor", name=type(model).__name__)
