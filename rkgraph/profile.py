@@ -164,7 +164,9 @@ def _replays(
     # the kernels' real times. Leave the fake mode, so real kernels run.
     if any(isinstance(t, FakeTensor) for t in inputs):
         raise ValueError("profiling needs real tensors, got fake ones")
-    with preserved_rng(), torch.no_grad(), unset_fake_temporarily():
+    # A step traced under autocast holds its casts as ops of the graph (planning runs inside
+    # that trace, under the user's autocast): autocast off, the graph runs as it was traced.
+    with preserved_rng(), torch.no_grad(), unset_fake_temporarily(), torch._C._DisableAutocast():
         for _ in range(runs):
             Replay(joint).run(*inputs)
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import fx
 from torch._dynamo.backends.debugging import boxed_nop
 
@@ -19,6 +20,62 @@ def decompositions() -> dict:
     from torch._inductor.decomposition import select_decomp_table
 
     return select_decomp_table()
+
+
+def measured_step_peak(compiled: Callable[..., Any], tensors: list[torch.Tensor], num_params: int) -> int:
+    """Bytes the planned step `compiled` (AOTAutograd's callable over parameters, buffers and
+    input tensors, in that order) allocates at its peak: its forward, then its backward from
+    all-ones output gradients, on real tensors (as measured profiles run), after one warm-up
+    step (Inductor's first call allocates once). Nothing of the model changes: the step runs
+    on detached parameters (their gradients are dropped) and on copies of the other tensors
+    (buffers it updates), and the user's random stream is restored."""
+    from rkgraph.capture import preserved_rng
+    from rockplan.memory import MemoryTracker
+
+    def step() -> None:
+        leaves = [t.detach().requires_grad_(t.requires_grad) if i < num_params
+                  else t.detach().clone().requires_grad_(t.requires_grad) for i, t in enumerate(tensors)]
+        with MemoryTracker(device) as tracker:
+            outputs = [o for o in pytree.tree_leaves(compiled(*leaves))
+                       if isinstance(o, torch.Tensor) and o.requires_grad]
+            torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
+            del outputs
+        peaks.append(tracker.peak)
+
+    device = next((t.device for t in tensors if t.device.type != "cpu"), torch.device("cpu"))
+    peaks: list[int] = []
+    with preserved_rng(), torch.enable_grad():
+        step()
+        step()
+    return peaks[-1]
+
+
+def seed_random_ops(joint: fx.GraphModule) -> int:
+    """Rewrite `joint`'s random ops as Inductor's seeded ones, as torch.compile does to the joint
+    graph before partitioning it (Inductor's joint-graph passes); returns how many were rewritten.
+
+    Inductor lowers no `aten.rand` of its own: torch.compile replaces each by
+    `inductor_random(shape, lookup_seed(seeds, i))`, with one `inductor_seeds` draw from the
+    device's generator per step. Our partition step stands in for torch.compile's, so it must
+    do the same, or Inductor refuses the graph. A seeded op is a function of its seed, so a
+    recomputed dropout draws the same mask without any replay: only the seeds' draw (an op
+    tagged random, so planned to run once) must not run twice. With `fallback_random` set,
+    Inductor runs the random ops as ATen's kernels instead, and they stay as they are.
+    """
+    from torch._guards import detect_fake_mode
+    from torch._inductor import config
+    from torch._inductor.fx_passes.replace_random import replace_random_passes
+    from torch._inductor.virtualized import V
+
+    if config.fallback_random:
+        return 0
+    values = [n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")]
+    with V.set_fake_mode(detect_fake_mode(values)):  # the new nodes' values are made in it
+        count = replace_random_passes(joint)
+    if count:
+        joint.graph.lint()
+        joint.recompile()
+    return count
 
 
 def inductor_compiler(num_fwd_outputs: Callable[[], int]) -> Callable[[fx.GraphModule, Any], Any]:
@@ -87,7 +144,10 @@ def inductor_compiler(num_fwd_outputs: Callable[[], int]) -> Callable[[fx.GraphM
         output.meta["user_visible_output_idxs"] = [i for i in visible if isinstance(output.args[0][i], fx.Node)]
 
         on_fakes = boxed_nop(copy.deepcopy(gm), example_inputs)
-        compiled = compile_fx_inner(gm, example_inputs, is_backward=backward)
+        # The graph's order is the schedule, whose frees the plan's peak counts on: Inductor
+        # must not reorder it for its own estimate of memory.
+        with config.patch(reorder_for_peak_memory=False):
+            compiled = compile_fx_inner(gm, example_inputs, is_backward=backward)
         if not backward:
             forward_output_strides[:] = [static(s) for s in getattr(compiled, "output_strides", None) or []]
 

@@ -8,6 +8,7 @@ runtime then runs them in one autograd.Function and applies buffer mutations onc
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import warnings
@@ -40,13 +41,25 @@ from rockplan.budget import check_gradients_fit
 from rockplan.codegen import generate
 from rockplan.decisions import decide
 from rockplan.explain import explain
-from rockplan.inductor import decompositions, inductor_compiler
+from rockplan.inductor import decompositions, inductor_compiler, measured_step_peak, seed_random_ops
 from rockplan.plan_file import export_plan
 from rockplan.planner import DEFAULT_SOLVER, Plan, PlanOptions, plan, reuse
 from rockplan.plots import plot_memory
-from solvers import Schedule
+from solvers import InfeasibleBudget, Schedule
 
 log = logging.getLogger(__name__)
+
+
+# Plans made again, each tighter, when Inductor's compiled step measures over the budget.
+INDUCTOR_REFITS = 2
+
+TORCH_COMPILE_WARNING = (
+    "torch.compile does not compile a Rockmate module's training step: compiled, the step would "
+    "keep what torch.compile's partitioner chooses, not what the plan keeps, and its memory "
+    "would not be bounded by the budget. The step runs as planned, uncompiled; code around the "
+    "module is still compiled. To run the planned step compiled by Inductor, build the module "
+    "with Rockmate(..., backend='inductor')."
+)
 
 
 @dataclass
@@ -72,10 +85,25 @@ def _signature(model: nn.Module, args: tuple, kwargs: dict) -> tuple:
         for x in leaves
     )
     parameters = tuple((p.dtype, p.device, p.requires_grad) for p in model.parameters())
-    devices = sorted({t.device.type for t in (*model.parameters(), *leaves) if isinstance(t, torch.Tensor)})
-    autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices)
     modes = tuple(m.training for m in model.modules())
-    return (str(spec), described, parameters, modes, autocast)
+    return (str(spec), described, parameters, modes, autocast_state())
+
+
+def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
+    """The autocast contexts a call runs under: (device type, dtype) of each enabled one.
+
+    A step traced under autocast has its casts in the graph (AOTAutograd traces through the
+    autocast dispatch key) and runs with autocast off; a step traced without it has none and
+    runs its ops as they are. Either run under the other state would compute in dtypes the
+    plan did not size (or fail on a mixed-dtype product), so the state selects the plan.
+    """
+    return tuple((device, torch.get_autocast_dtype(device)) for device in _AUTOCAST_DEVICES
+                 if torch.is_autocast_enabled(device))
+
+
+# Read once: Dynamo cannot trace the C function that lists them, and `torch.compile(rk)` traces
+# `forward`, which reads the autocast state.
+_AUTOCAST_DEVICES = tuple(torch._C._autocast_supported_devices())
 
 
 def _split_sample(sample: Any) -> tuple[tuple, dict]:
@@ -139,14 +167,16 @@ class Rockmate(nn.Module):
         self.budget_spec = budget
         self.backend = backend
         self.on_new_input = on_new_input
-        # Inductor compiles the graphs whole, so it cannot call our RNG replay: random ops run
-        # once; and it lowers attention its own way, so no lean variant is planned for it.
+        # Inductor compiles the graphs whole, so it cannot call our RNG replay: its random ops
+        # are seeded instead (`seed_random_ops`); and it lowers attention its own way, so no
+        # lean variant is planned for it.
         self.options = PlanOptions(solver=solver, solver_options=dict(solver_options or {}), profile=profile,
                                    plan_file=plan_file, replay_rng=backend != "inductor",
                                    lean_variant=backend != "inductor", name=type(model).__name__)
         self.max_plans = max_plans
         self._steps: OrderedDict[tuple, PlannedStep] = OrderedDict()  # least recently used first
         self._replanned = False  # warned once, logged after
+        self._warned_torch_compile = False
         args, kwargs = _split_sample(sample)
         self._sample_signature = _signature(model, args, kwargs)
         self._graph_breaks: GraphBreaks | None = None
@@ -223,17 +253,61 @@ class Rockmate(nn.Module):
 
     # --- planning ------------------------------------------------------------------------------
     def _plan(self, args: tuple, kwargs: dict) -> PlannedStep:
-        """Capture the step on fake tensors and plan it, inside AOTAutograd's partition step."""
+        """Capture the step on fake tensors and plan it, inside AOTAutograd's partition step;
+        with Inductor, measure the compiled step and plan again tighter while it exceeds the budget."""
         start = time.perf_counter()
+        step = self._plan_within(self.budget_spec, self.options, args, kwargs)
+        if self.backend == "inductor":
+            step = self._fit_compiled_step(step, args, kwargs)
+        step.plan_time = time.perf_counter() - start
+        self._steps[_signature(self.model, args, kwargs)] = step
+        while len(self._steps) > self.max_plans:
+            self._steps.popitem(last=False)
+        return step
+
+    def _fit_compiled_step(self, step: PlannedStep, args: tuple, kwargs: dict) -> PlannedStep:
+        """The plan as Inductor runs it, within the budget as measured. Inductor fuses and
+        orders the generated backward its own way (a fused kernel allocates all its outputs at
+        once; a recomputation fused with a later reader is made early), so the compiled step
+        can hold more than the schedule: each plan's compiled step is run once on real tensors
+        and, while it peaks over the budget, the step is planned again for a budget smaller by
+        the excess (on the same node times). The plan keeps the user's budget."""
+        budget = step.plan.budget
+        planned_for, peaks = budget, []
+        for _ in range(INDUCTOR_REFITS + 1):
+            peaks.append(measured_step_peak(step.compiled, flat_tensors(self.model, step.flat, args, kwargs),
+                                            len(step.flat.param_names)))
+            if peaks[-1] <= budget:
+                step.plan = dataclasses.replace(step.plan, budget=budget)
+                return step
+            planned_for -= peaks[-1] - budget
+            if planned_for <= 0:
+                break
+            log.warning("Inductor's compiled step peaks at %d bytes, over the budget of %d: planning again "
+                        "for %d bytes", peaks[-1], budget, planned_for)
+            try:
+                step = self._plan_within(planned_for, dataclasses.replace(self.options, profile=step.plan.times),
+                                         args, kwargs)
+            except InfeasibleBudget:
+                break
+        raise InfeasibleBudget(
+            f"Inductor's compiled step does not fit the budget of {budget} bytes: it measured "
+            f"{', '.join(map(str, peaks))} bytes for plans made ever tighter (Inductor fuses and orders the "
+            "backward's recomputations its own way, holding more than the plan). Give a larger budget, "
+            "or use backend='eager', which runs the plan as it is.")
+
+    def _plan_within(self, budget: int | float | str, options: PlanOptions, args: tuple, kwargs: dict) -> PlannedStep:
         flat = flatten_call(self.model, args, kwargs)
         real = flat_tensors(self.model, flat, args, kwargs)
         planned: list[Plan] = []
 
         def plan_and_generate(joint_module: fx.GraphModule, _inputs: Any, *, num_fwd_outputs: int, **_: Any):
+            if self.backend == "inductor":
+                seed_random_ops(joint_module)
             joint = apply_rewrites(joint_graph(flat, joint_module, num_fwd_outputs))
             held = [s.plan for s in reversed(self._steps.values())] if self.on_new_input == "reuse" else []
-            reused = (reuse(joint, self.budget_spec, self.options, p, real) for p in held)
-            planned.append(next(filter(None, reused), None) or plan(joint, self.budget_spec, self.options, real))
+            reused = (reuse(joint, budget, options, p, real) for p in held)
+            planned.append(next(filter(None, reused), None) or plan(joint, budget, options, real))
             progress.stage("generate")
             return generate(planned[0].joint, planned[0].graph, planned[0].schedule)
 
@@ -251,16 +325,24 @@ class Rockmate(nn.Module):
                 "plan. Return the loss (or what it is computed from) from forward; outputs that need no grad "
                 "(argmax, detached tensors, None) may come beside it. Evaluate under torch.no_grad() or after "
                 "rk.eval(), where the model runs as it is.")
-        step = PlannedStep(planned[0], compiled, flat, time.perf_counter() - start)
-        self._steps[_signature(self.model, args, kwargs)] = step
-        while len(self._steps) > self.max_plans:
-            self._steps.popitem(last=False)
-        return step
+        return PlannedStep(planned[0], compiled, flat, 0.0)
 
     # --- running -------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.training and torch.is_grad_enabled()):
             return self.model(*args, **kwargs)  # no backward to plan for: the plain forward
+        # Dynamo sees True here when torch.compile traces this forward; the step runs as planned.
+        return self._planned_step(torch.compiler.is_compiling(), args, kwargs)
+
+    @torch.compiler.disable
+    def _planned_step(self, under_torch_compile: bool, args: tuple, kwargs: dict) -> Any:
+        """The planned step, never traced by Dynamo: traced, its forward would be compiled
+        again by AOTAutograd, whose partitioner (not the plan) would then decide what the
+        backward keeps, and Inductor would reorder and fuse it: the step's memory would be
+        neither planned nor checked against the budget."""
+        if under_torch_compile and not self._warned_torch_compile:
+            self._warned_torch_compile = True
+            warnings.warn(TORCH_COMPILE_WARNING, stacklevel=2)
         signature = _signature(self.model, args, kwargs)
         step = self._steps.get(signature)
         if step is None:
@@ -328,5 +410,5 @@ def _describe_difference(planned: tuple, got: tuple) -> str:
         return ("submodules' train/eval modes differ from the sample's (call train() or eval() before "
                 "Rockmate(...) as for the steps)")
     if planned[4] != got[4]:
-        return f"autocast (device type, enabled, dtype): planned {planned[4]}, got {got[4]}"
+        return f"autocast: planned under {planned[4] or 'none'}, called under {got[4] or 'none'}"
     return "parameters changed dtype, device or requires_grad"
