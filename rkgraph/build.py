@@ -53,6 +53,19 @@ def is_random(node: fx.Node) -> bool:
     return not any(a.name in _GIVEN_RANDOM_STATE for a in t._schema.arguments)
 
 
+# Namespaces of PyTorch's collective ops (functional collectives, their autograd variants, and
+# c10d's own ops, as traced from tensor-parallel or user code in a forward).
+_COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d"})
+
+
+def is_collective(node: fx.Node) -> bool:
+    """Whether the op communicates with other ranks (or waits on such a communication). It must
+    run once, as planned: a recomputation would issue a collective that the other ranks, whose
+    schedules may recompute elsewhere, do not match, and would hang or mix up their messages."""
+    t = node.target
+    return isinstance(t, torch._ops.OpOverload) and t.namespace in _COLLECTIVE_NAMESPACES
+
+
 def is_backward(node: fx.Node) -> bool:
     return node.meta.get("partitioner_tag") == "is_backward"
 
@@ -198,6 +211,8 @@ def build_graph(joint: JointGraph, name: str = "", replay_rng: bool = True) -> R
         head = group.head
         draws = [n for n in group.ops if is_random(n)]
         draws_random = bool(draws)
+        # Run once, as unreplayed draws are: a collective (see `is_collective`).
+        communicates = any(is_collective(n) for n in group.ops)
         for s in outs:
             data[s] = DataNode(s, _tensor_bytes(storages.root_of[s].meta.get("val")), "activation", head.name)
         if not outs and has_side_effect(head):
@@ -212,7 +227,7 @@ def build_graph(joint: JointGraph, name: str = "", replay_rng: bool = True) -> R
             outputs=tuple(outs),
             backward=is_backward(head),
             workspace=workspace,
-            random=draws_random and not replay_rng,
+            random=(draws_random and not replay_rng) or communicates,
             rng=draws_random and replay_rng,
             rng_state=sum(generator_state_bytes(first_value(n).device) for n in draws) if replay_rng else 0,
             module=head.meta.get("custom", {}).get("module", ""),

@@ -70,6 +70,31 @@ class JointGraph:
     input_names: list[str]  # qualified parameter/buffer name, or the argument path of an input
     mutated: frozenset[str] = frozenset()  # primal placeholders the step mutates (BatchNorm stats)
 
+    def __post_init__(self) -> None:
+        drop_profiler_ranges(self.module)
+
+
+# `torch.profiler.record_function` (DDP's forward opens one) traces as an op returning a handle
+# that its exit op takes. The handle is no tensor: it has no storage to plan, and a range opened
+# in the forward and closed after a recomputation moved into the backward would mean nothing.
+_PROFILER_RANGE_OPS = frozenset({
+    torch.ops.profiler._record_function_enter.default,
+    torch.ops.profiler._record_function_enter_new.default,
+    torch.ops.profiler._record_function_exit.default,
+    torch.ops.profiler._record_function_exit._RecordFunction,
+})
+
+
+def drop_profiler_ranges(module: fx.GraphModule) -> None:
+    """Remove `record_function` ranges from a traced step: they annotate a profile and compute
+    nothing, so the planned step runs without them (exits first, then the enters they read)."""
+    ranges = [n for n in module.graph.nodes if n.op == "call_function" and n.target in _PROFILER_RANGE_OPS]
+    if not ranges:
+        return
+    for node in reversed(ranges):
+        module.graph.erase_node(node)
+    module.recompile()
+
 
 @dataclass
 class FlatCall:

@@ -40,6 +40,7 @@ from rockplan.backend import GraphBreaks, GraphPlan
 from rockplan.budget import check_gradients_fit
 from rockplan.codegen import generate
 from rockplan.decisions import decide
+from rockplan.distributed import check_engine_order
 from rockplan.explain import explain
 from rockplan.inductor import decompositions, inductor_compiler, measured_step_peak, seed_random_ops
 from rockplan.plan_file import export_plan
@@ -156,6 +157,7 @@ class Rockmate(nn.Module):
         max_plans: int = 8,
     ) -> None:
         super().__init__()
+        check_engine_order(model)
         check_gradients_fit(budget, model)
         if max_plans < 1:
             raise ValueError(f"max_plans must be at least 1, got {max_plans}")

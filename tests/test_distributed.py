@@ -1,0 +1,277 @@
+"""rockplan with PyTorch's data-parallel engines, on CPU: two processes over gloo.
+
+Each rank trains the zoo GPT (with its loss, `WithLoss`) on its own batch, planned from the same
+weights and sample on estimated node times (`profile="estimate"`, a function of the graph
+alone), so both ranks solve the same problem and run the same schedule: the tests check that
+they do. The supported orders, `DDP(Rockmate(model))` and `fully_shard(Rockmate(model))`, are
+compared with eager DDP and FSDP2 on the same weights, batches and seed; each rank measures its
+step's peak (`measure_step`, the CPU allocator's events) against the budget. The orders that
+wrap an engine inside Rockmate are refused at construction, with the order that works.
+
+All distributed scenarios run in one spawn (starting two processes and planning is most of a
+test's time); each test reads its part of the ranks' results.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from rkgraph.build import is_collective
+from rockplan import Rockmate, zoo
+from rockplan.memory import measure_step
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+WORLD = 2
+BUDGET = 0.6  # of the step's store-all memory: tight enough that the plan recomputes
+TIGHT = 0.6  # the same, for the stacks of tanh layers below (feasible from about half)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gpt_with_loss() -> tuple[nn.Module, torch.Tensor]:
+    """The zoo GPT with its loss (seed 0: the same weights on every rank) and its sample."""
+    entry = zoo.make("gpt", "tiny")
+    return zoo.WithLoss(entry.model, entry.loss_fn), entry.args[0]
+
+
+def _batch(sample: torch.Tensor, rank: int) -> torch.Tensor:
+    """Rank `rank`'s batch: different on each rank, so that averaging the gradients matters."""
+    generator = torch.Generator().manual_seed(100 + rank)
+    return torch.randint(0, int(sample.max()) + 1, sample.shape, generator=generator)
+
+
+def _step(module: nn.Module, batch: torch.Tensor) -> None:
+    torch.manual_seed(1)  # dropout draws the same masks in eager and planned steps
+    module(batch).backward()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _gradients(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Gradients (whole) by the parameter's name in the user's model, under any wrappers."""
+    def inner(name: str) -> str:
+        while name.startswith(("module.", "model.")):
+            name = name.split(".", 1)[1]
+        return name
+    return {inner(name): _full(p.grad).detach().clone() for name, p in module.named_parameters()}
+
+
+def _ddp(rank: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model, sample = _gpt_with_loss()
+    batch = _batch(sample, rank)
+    eager = DDP(copy.deepcopy(model))
+    _step(eager, batch)
+    rk = Rockmate(copy.deepcopy(model), sample, BUDGET, profile="estimate")
+    planned = DDP(rk)
+    measured = measure_step(_step, planned, batch)
+    return {"eager": _gradients(eager), "planned": _gradients(planned), "peak": measured.peak,
+            "budget": rk.budget, "schedule": [tuple(op) for op in rk.schedule.ops],
+            "recomputes": _recomputes(rk)}
+
+
+def _fsdp(rank: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    model, sample = _gpt_with_loss()
+    batch = _batch(sample, rank)
+    # FSDP2's own buffers (the gathered parameters, the gradients copied for their
+    # reduce-scatter) are allocated in the step, around what runs inside: what it adds to eager's
+    # step, it may add to the planned step's.
+    unsharded = measure_step(_step, copy.deepcopy(model), batch).peak
+    eager = fully_shard(copy.deepcopy(model))
+    sharded = measure_step(_step, eager, batch).peak
+    rk = Rockmate(copy.deepcopy(model), sample, BUDGET, profile="estimate")
+    planned = fully_shard(rk)
+    measured = measure_step(_step, planned, batch)
+    return {"eager": _gradients(eager), "planned": _gradients(planned), "peak": measured.peak,
+            "fsdp_adds": sharded - unsharded, "eager_peak": sharded, "budget": rk.budget,
+            "parameter_bytes": sum(_full(p).nbytes for p in planned.parameters()),
+            "schedule": [tuple(op) for op in rk.schedule.ops]}
+
+
+def _refusals(rank: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    messages = {}
+    wrapped = {
+        "Rockmate(DDP(model))": lambda m: DDP(m),
+        "Rockmate(fully_shard(model))": lambda m: fully_shard(m),
+        "fully_shard per block, then Rockmate": lambda m: [fully_shard(b) for b in m.model.transformer.h] and m,
+    }
+    for order, wrap in wrapped.items():
+        model, sample = _gpt_with_loss()
+        try:
+            Rockmate(wrap(model), sample, BUDGET, profile="estimate")
+            messages[order] = None
+        except ValueError as e:
+            messages[order] = str(e)
+    return messages
+
+
+def _tanh_stack(layers: int) -> nn.Sequential:
+    return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(64, 64), nn.Tanh())])
+
+
+class _Gathered(nn.Module):
+    """Tensor-parallel style: each rank's activations are all-gathered inside the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.before, self.after, self.head = _tanh_stack(3), _tanh_stack(3), nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed import _functional_collectives as funcol
+
+        # Renamed in torch 2.10; the old name warns there.
+        all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+        h = all_gather(self.before(x), 0, dist.group.WORLD)
+        return self.head(self.after(h)).square().mean()
+
+
+def _collective_in_forward(rank: int) -> dict:
+    torch.manual_seed(0)
+    model = _Gathered()
+    x = torch.randn(512, 64, generator=torch.Generator().manual_seed(rank))
+    eager = copy.deepcopy(model)
+    eager(x).backward()
+    rk = Rockmate(copy.deepcopy(model), x, TIGHT, profile="estimate")
+    measured = measure_step(lambda: rk(x).backward())
+    computed = [op.name for op in rk.schedule.ops if op.kind == "compute"]
+    collectives = [n.name for n in rk.graph.nodes
+                   if any(is_collective(f) for f in rk.plan.joint.module.graph.nodes if f.name in n.fx_nodes)]
+    return {"eager": _gradients(eager), "planned": _gradients(rk), "peak": measured.peak, "budget": rk.budget,
+            "collectives": collectives, "run_once": all(rk.graph.node(c).random for c in collectives),
+            "computed": {c: computed.count(c) for c in collectives}, "recomputes": _recomputes(rk)}
+
+
+def _recomputes(rk: Rockmate) -> int:
+    computed = [op.name for op in rk.schedule.ops if op.kind == "compute"]
+    return len(computed) - len(set(computed))
+
+
+SCENARIOS = {"ddp": _ddp, "fsdp": _fsdp, "refusals": _refusals, "collective": _collective_in_forward}
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)  # two ranks share the machine's cores
+    results = {}
+    try:
+        for name, scenario in SCENARIOS.items():
+            try:
+                results[name] = scenario(rank)
+            except Exception:  # reported by the scenario's test, the others still run
+                results[name] = {"error": traceback.format_exc()}
+            dist.barrier()
+    finally:
+        torch.save(results, Path(out) / f"rank{rank}.pt")
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("ranks")
+    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def _scenario(ranks: list[dict], name: str) -> list[dict]:
+    for rank, results in enumerate(ranks):
+        if "error" in results[name]:
+            pytest.fail(f"rank {rank}, {name}:\n{results[name]['error']}")
+    return [results[name] for results in ranks]
+
+
+def _assert_same_gradients(results: list[dict]) -> None:
+    for rank, r in enumerate(results):
+        assert r["eager"].keys() == r["planned"].keys()
+        for name, eager in r["eager"].items():
+            torch.testing.assert_close(r["planned"][name], eager, msg=lambda m, k=rank, n=name: f"rank {k}, {n}: {m}")
+    # Averaged across ranks, from different batches: every rank holds the same gradients.
+    for name, grad in results[0]["planned"].items():
+        assert torch.equal(results[1]["planned"][name], grad), name
+
+
+def test_ddp_of_rockmate_matches_eager_ddp_within_budget(ranks: list[dict]) -> None:
+    results = _scenario(ranks, "ddp")
+    _assert_same_gradients(results)
+    assert results[0]["schedule"] == results[1]["schedule"]  # the ranks plan the same step
+    assert results[0]["recomputes"] > 0  # the budget is tight enough to make the plan recompute
+    for rank, r in enumerate(results):
+        assert r["peak"] <= r["budget"], f"rank {rank}: peak {r['peak']} > budget {r['budget']}"
+        print(f"rank {rank}: DDP peak {r['peak']}, budget {r['budget']}")
+
+
+def test_fully_shard_of_rockmate_matches_eager_fsdp2_within_budget(ranks: list[dict]) -> None:
+    results = _scenario(ranks, "fsdp")
+    _assert_same_gradients(results)
+    assert results[0]["schedule"] == results[1]["schedule"]
+    for rank, r in enumerate(results):
+        assert r["peak"] <= r["budget"] + r["fsdp_adds"], (
+            f"rank {rank}: peak {r['peak']} > budget {r['budget']} + what FSDP2 adds to eager's step {r['fsdp_adds']}")
+        print(f"rank {rank}: FSDP2", {k: v for k, v in r.items() if k not in ("eager", "planned", "schedule")})
+
+
+def test_engines_inside_rockmate_are_refused_with_the_order_that_works(ranks: list[dict]) -> None:
+    messages = _scenario(ranks, "refusals")[0]
+    assert "DDP(Rockmate(model" in messages["Rockmate(DDP(model))"]
+    assert "fully_shard(Rockmate(model" in messages["Rockmate(fully_shard(model))"]
+    assert "fully_shard(Rockmate(model" in messages["fully_shard per block, then Rockmate"]
+
+
+def test_collectives_in_the_forward_run_once(ranks: list[dict]) -> None:
+    results = _scenario(ranks, "collective")
+    for rank, r in enumerate(results):
+        assert r["collectives"], "the all-gather is a node of the planned graph"
+        assert r["run_once"] and set(r["computed"].values()) == {1}, r["computed"]
+        assert r["recomputes"] > 0  # the plan recomputes, but not the collective
+        for name, eager in r["eager"].items():
+            torch.testing.assert_close(r["planned"][name], eager, msg=lambda m, k=rank, n=name: f"rank {k}, {n}: {m}")
+        assert r["peak"] <= r["budget"]
+
+
+class _Ranged(nn.Module):
+    """A forward with a profiler range, as DDP's and many training codebases' forwards open."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net, self.head = _tanh_stack(6), nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.profiler.record_function("ranged.forward"):
+            return self.head(self.net(x)).square().mean()
+
+
+def test_record_function_in_forward_is_planned_and_matches_eager() -> None:
+    torch.manual_seed(0)
+    model, x = _Ranged(), torch.randn(1024, 64)
+    eager = copy.deepcopy(model)
+    eager(x).backward()
+    rk = Rockmate(model, x, TIGHT, profile="estimate")
+    measured = measure_step(lambda: rk(x).backward())
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+    assert _recomputes(rk) > 0
+    assert measured.peak <= rk.budget
