@@ -48,9 +48,10 @@ from rockplan.memory import cuda_blocks_fit_requests, measure_step, steady_cpu_h
 from solvers import RUNTIME_SOLVERS, InfeasibleBudget, InvalidSchedule, min_feasible_budget  # noqa: E402
 from solvers.bounds import time_lower_bound  # noqa: E402
 
-# Containers whose children a user would wrap in torch.utils.checkpoint, per zoo model.
+# Containers whose children a user would wrap in torch.utils.checkpoint, per zoo model; "x.*":
+# every child of x is such a container (the ResNet's stages, as many as the size has).
 CHECKPOINT_CONTAINERS = {
-    "gpt": ["transformer.h"], "hf_gpt2": ["transformer.h"], "resnet": ["stages.0", "stages.1", "stages.2", "stages.3"],
+    "gpt": ["transformer.h"], "hf_gpt2": ["transformer.h"], "resnet": ["stages.*"],
     "unet": ["down", "up"], "mlp": [""], "multi_output": ["encoder"],
     "hf_llama": ["model.layers"], "hf_bert": ["bert.encoder.layer"],
 }
@@ -106,9 +107,13 @@ def checkpoint_every_block(model: torch.nn.Module, containers: list[str], **opti
     (non-reentrant), as a user would wrap a model's blocks; `options` go to `checkpoint`."""
     model = copy.deepcopy(model)
     for path in containers:
-        container = model.get_submodule(path) if path else model
-        for name, child in list(container.named_children()):
-            setattr(container, name, _Checkpointed(child, options))
+        if path.endswith(".*"):
+            found = list(model.get_submodule(path[:-2]).children())
+        else:
+            found = [model.get_submodule(path) if path else model]
+        for container in found:
+            for name, child in list(container.named_children()):
+                setattr(container, name, _Checkpointed(child, options))
     return model
 
 
@@ -384,7 +389,7 @@ def not_fastest(rows: list[Row]) -> list[str]:
                        "search could gain up to that")
         else:
             reading = ("the plan is at its proven floor (within 1 point): the gap lies in the step's cost "
-                       "outside the schedule (runtime, profile), measured / predicted")
+                       "outside the schedule (the runtime, the profile's prices: see measured / predicted)")
         lines.append(
             f"| {model} | {_budget(ours)} | {best.method} | {_spread(best.rounds)} | {_spread(ours.rounds)} | "
             f"{median:.2f} ({q1:.2f}-{q3:.2f}) | {ours.predicted_overhead:+.1%} | {ours.floor:+.1%} | "
