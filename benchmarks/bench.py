@@ -2,20 +2,23 @@
 
     python benchmarks/bench.py                       # zoo models (and HF GPT-2): docs/benchmarks/models.md
     python benchmarks/bench.py --models gpt --ratios 1.0,0.5 --repeats 3 --out gpt.md
+    python benchmarks/bench.py --models hf_llama,hf_bert --out docs/benchmarks/models-hf.md
 
 For each model and each budget (a ratio of the no-rematerialization step peak predicted from
-the graph) every method trains the same steps: rockplan (and its solvers run through the same
-runtime: rotor, DTR, and "torch_budget": PyTorch's min-cut partitioner under
-`activation_memory_budget` on the same graph; all plan on one measured profile of the model),
-`torch.utils.checkpoint` around every block, `torch.compile` (aot_eager) with
-`activation_memory_budget` (the largest knob whose measured peak fits the budget), and plain
-eager (store everything). Peaks are measured by the allocator (rockplan's tracker: the CUDA
-allocator's statistics, the CPU allocator's events recorded by torch.profiler), so kernels'
-scratch and compiled code count; at each budget, eager and every method that fits run their
+the graph, or "min": the smallest a schedule is known for) every method trains the same steps:
+rockplan (and its solvers run through the same runtime: rotor, DTR, and "torch_budget":
+PyTorch's min-cut partitioner under `activation_memory_budget` on the same graph; all plan on
+one measured profile of the model),
+`torch.utils.checkpoint` around every block, the same with selective activation checkpointing's
+op list, Hugging Face's own `gradient_checkpointing_enable()` (HF models), `torch.compile`
+(aot_eager) with `activation_memory_budget` (the largest knob whose measured peak fits the
+budget), and plain eager (store everything). Peaks are measured by the allocator (rockplan's
+tracker: the CUDA allocator's statistics, the CPU allocator's events recorded by
+torch.profiler), so kernels' scratch and compiled code count; at each budget, eager and every method that fits run their
 steps in turn (E A B C E A B C ...), and times are medians reported as ratios to eager's,
 because these machines are shared and noisy. Writes a markdown page (`bench_page`'s header:
-machine, versions, date, command) and a Pareto plot beside it (step time against measured
-peak, one line per method).
+machine, versions, date, command), the rows where rockplan is not the fastest with what explains
+each, and a Pareto plot beside it (step time against measured peak, one line per method).
 """
 
 from __future__ import annotations
@@ -125,7 +128,7 @@ def fixed_peers(name: str, model: torch.nn.Module) -> list[tuple[str, torch.nn.M
     """The methods whose memory does not depend on the budget, each a copy of `model` (a
     zoo.WithLoss): torch.utils.checkpoint around every block, the same with selective activation
     checkpointing's op list (SAC_SAVED_OPS), and for a Hugging Face model its own
-    `gradient_checkpointing_enable()`, non-reentrant as HF recommends. Each is measured once
+    `gradient_checkpointing_enable()` on every layer, non-reentrant as HF recommends. Each is measured once
     and timed at every budget its peak fits."""
     containers = [f"model.{c}".rstrip(".") for c in CHECKPOINT_CONTAINERS[name]]
     peers = [
@@ -135,7 +138,11 @@ def fixed_peers(name: str, model: torch.nn.Module) -> list[tuple[str, torch.nn.M
     ]
     if getattr(model.model, "supports_gradient_checkpointing", False):
         hf = copy.deepcopy(model)
-        hf.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers 5 renamed it activation_checkpointing_enable, the old name a deprecated alias.
+        if hasattr(hf.model, "activation_checkpointing_enable"):
+            hf.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            hf.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         peers.append(("HF gradient_checkpointing_enable", hf))
     return peers
 
