@@ -449,6 +449,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--solvers", default="", help="comma list; default: rockmate (or ilp), rotor, dtr")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--out", default=str(PAGES / "models.md"), help="the generated page (and its plot beside it)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch's CPU threads (default: torch's choice). On a machine shared with other jobs, "
+                             "1: a thread descheduled stalls the others at every op, and steps slow and scatter")
     parser.add_argument("--default-heap", action="store_true",
                         help="leave glibc's malloc thresholds adaptive (see steady_cpu_heap)")
     args = parser.parse_args(argv)
@@ -467,10 +470,13 @@ def main(argv: list[str] | None = None) -> None:
     else:
         heap = "CPU heap: glibc's adaptive thresholds"
     out = Path(args.out)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     knobs = tuple(float(k) for k in args.knobs.split(","))
     command_line = (f"python benchmarks/bench.py --models {args.models} --size {args.size} --ratios {args.ratios} "
                     f"--repeats {args.repeats}{' --solvers ' + args.solvers if args.solvers else ''}"
                     f"{'' if knobs == COMPILE_KNOBS else ' --knobs ' + args.knobs}"
+                    f"{f' --threads {args.threads}' if args.threads else ''}"
                     f"{' --default-heap' if args.default_heap else ''}"
                     f"{'' if out.resolve() == (PAGES / 'models.md').resolve() else ' --out ' + args.out}")
     rows: list[Row] = []
