@@ -15,8 +15,10 @@ large enough for memory savings to matter and still runs on CPU (examples, bench
 The entries cover what a rematerialization planner must handle: in-place ops and BatchNorm buffer
 updates (``resnet``), long skip connections that stay alive across the whole network (``unet``),
 random ops that must be replayed identically (dropout in ``gpt`` and ``hf_gpt2``), tied weights
-(``gpt``, ``hf_gpt2``), keyword and non-tensor arguments with dict outputs (``multi_output``), and a
-third-party model (``hf_gpt2``, registered only when ``transformers`` is importable).
+(``gpt``, ``hf_gpt2``), keyword and non-tensor arguments with dict outputs (``multi_output``), and
+third-party models (``hf_gpt2``; ``hf_llama`` and ``hf_bert``, called on keyword arguments with
+labels as Hugging Face users call them, the loss the model's own; registered only when
+``transformers`` is importable).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["ZOO", "Size", "ZooEntry", "gpt", "hf_gpt2", "make", "mlp", "multi_output", "resnet", "unet"]
+__all__ = ["ZOO", "Size", "ZooEntry", "gpt", "hf_bert", "hf_gpt2", "hf_llama", "make", "mlp", "multi_output", "resnet",
+           "unet"]
 
 Size = Literal["tiny", "default"]
 
@@ -404,6 +407,71 @@ def hf_gpt2(size: str = "tiny", n_layer: int | None = None, attn_implementation:
     return ZooEntry(model, (idx,), {}, _next_token_loss)
 
 
+# --- hf_llama, hf_bert -----------------------------------------------------------------------
+
+
+def _output_loss(output: Any, *_args: Any) -> Tensor:
+    """The loss a Hugging Face model computed from the ``labels`` it was given."""
+    return output.loss
+
+
+def _padded_batch(batch: int, seq: int, vocab_size: int) -> dict[str, Tensor]:
+    """Random token ids and their padding mask, the last sequence left-padded by a quarter, as
+    a tokenizer pads a batch of uneven texts: the mask is not all ones."""
+    input_ids = torch.randint(0, vocab_size, (batch, seq))
+    attention_mask = torch.ones(batch, seq, dtype=torch.long)
+    attention_mask[-1, : seq // 4] = 0
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def hf_llama(size: str = "tiny") -> ZooEntry:
+    """Hugging Face ``LlamaForCausalLM`` with random weights (grouped-query attention, RoPE,
+    RMSNorm, SwiGLU), called as users call it: ``model(input_ids=..., attention_mask=...,
+    labels=...)``, its loss ``output.loss`` (next-token, padded positions included as HF's
+    default collator leaves them). Needs ``transformers``.
+
+    ``use_cache=False``, as training scripts set it: a key/value cache is not trained on.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = _pick(
+        size,
+        tiny={"batch": 2, "seq": 32, "vocab_size": 128, "layers": 2, "hidden": 32, "ffn": 64, "heads": 4, "kv": 2},
+        default={"batch": 4, "seq": 256, "vocab_size": 8192, "layers": 6, "hidden": 384, "ffn": 1024, "heads": 6,
+                 "kv": 2},
+    )
+    config = LlamaConfig(
+        vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden"], intermediate_size=cfg["ffn"],
+        num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"], num_key_value_heads=cfg["kv"],
+        max_position_embeddings=cfg["seq"], use_cache=False,
+    )
+    batch = _padded_batch(cfg["batch"], cfg["seq"], cfg["vocab_size"])
+    return ZooEntry(LlamaForCausalLM(config), (), {**batch, "labels": batch["input_ids"]}, _output_loss)
+
+
+def hf_bert(size: str = "tiny") -> ZooEntry:
+    """Hugging Face ``BertForMaskedLM`` with random weights (HF's default dropout 0.1), called as
+    users call it: ``model(input_ids=..., attention_mask=..., labels=...)`` with labels on a
+    random 15% of the positions (-100 elsewhere, as HF's masked-LM collator writes them), its
+    loss ``output.loss``. Needs ``transformers``."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = _pick(
+        size,
+        tiny={"batch": 2, "seq": 32, "vocab_size": 128, "layers": 2, "hidden": 32, "ffn": 64, "heads": 4},
+        default={"batch": 4, "seq": 256, "vocab_size": 8192, "layers": 6, "hidden": 384, "ffn": 1536, "heads": 6},
+    )
+    config = BertConfig(
+        vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden"], intermediate_size=cfg["ffn"],
+        num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"], max_position_embeddings=cfg["seq"],
+    )
+    batch = _padded_batch(cfg["batch"], cfg["seq"], cfg["vocab_size"])
+    chosen = torch.rand(cfg["batch"], cfg["seq"]) < 0.15
+    chosen[:, -1] = True  # every sequence predicts at least one token (the last is never padding)
+    labels = torch.where(chosen, batch["input_ids"], -100)
+    return ZooEntry(BertForMaskedLM(config), (), {**batch, "labels": labels}, _output_loss)
+
+
 # --- registry --------------------------------------------------------------------------------
 
 ZOO: dict[str, Callable[..., ZooEntry]] = {
@@ -415,6 +483,8 @@ ZOO: dict[str, Callable[..., ZooEntry]] = {
 }
 if HAS_TRANSFORMERS:
     ZOO["hf_gpt2"] = hf_gpt2
+    ZOO["hf_llama"] = hf_llama
+    ZOO["hf_bert"] = hf_bert
 
 
 def make(name: str, size: str = "tiny", seed: int = 0, **options: Any) -> ZooEntry:

