@@ -226,6 +226,6 @@ def test_cuda_autocast_matches_eager_within_the_budget(name: str, dtype: torch.d
     torch.cuda.synchronize()
     assert _casts(rk) > 0
     # cuDNN and cuBLAS choose their kernels per call, so eager's and the plan's reductions may
-    # run in other orders: on an H200, ResNet's stem gradient in float16 was 6 roundings apart.
+    # run in other orders: a float16 convolution's weight gradient can be several roundings apart.
     _assert_close_to_eager(planned.result, model, _step(eager, args, kwargs, precision), eager, dtype, roundings=16)
     assert planned.peak <= rk.budget, f"measured {planned.peak} B over budget {rk.budget} B"
