@@ -30,6 +30,9 @@ Three ways of counting, chosen by ``method``:
   Inductor's generated code included, and it does not change how the code runs (under a
   dispatch mode ``torch.compile`` falls back to eager). Figures exist only once the block has
   exited; a free of memory allocated before the block is not counted. Exact requested bytes.
+  It follows the threads PyTorch runs the step on (autograd's included), not threads a library
+  owns: a block freed there (gloo's worker releasing a collective's input) counts as alive to
+  the end of the block, an overstatement; count storages for such steps.
 - ``"storages"`` (default elsewhere; live figures): a ``TorchDispatchMode`` that sees every ATen
   op, registers each storage an op returns once (views share their base's storage so they add
   nothing) and subtracts it when a weak reference on the storage reports its death. It sees

@@ -156,7 +156,10 @@ def _collective_in_forward(rank: int) -> dict:
     eager = copy.deepcopy(model)
     eager(x).backward()
     rk = Rockmate(copy.deepcopy(model), x, TIGHT, profile="estimate")
-    measured = measure_step(lambda: rk(x).backward())
+    # Counted by storages: gloo's worker thread holds the all-gather's input until the collective
+    # completes and, when its reference is the last, frees it on that thread, which the CPU
+    # profiler does not follow (the block would count as alive to the end of the step).
+    measured = measure_step(lambda: rk(x).backward(), method="storages")
     computed = [op.name for op in rk.schedule.ops if op.kind == "compute"]
     collectives = [n.name for n in rk.graph.nodes
                    if any(is_collective(f) for f in rk.plan.joint.module.graph.nodes if f.name in n.fx_nodes)]
@@ -249,9 +252,6 @@ def test_collectives_in_the_forward_run_once(ranks: list[dict]) -> None:
         assert r["recomputes"] > 0  # the plan recomputes, but not the collective
 
 
-@pytest.mark.xfail(strict=False, reason="open: with an all-gather in the forward, the planned step's gradients "
-                   "have differed from eager's, and its peak has exceeded the budget (gloo's own buffers are "
-                   "not in the graph), in some runs and not others")
 def test_collectives_in_the_forward_give_eager_gradients_within_the_budget(ranks: list[dict]) -> None:
     for rank, r in enumerate(_scenario(ranks, "collective")):
         for name, eager in r["eager"].items():
