@@ -4,32 +4,47 @@ A planned step runs in place of the model's forward: one traced graph over all p
 backward inside one autograd Function. That suits an engine wrapped around it: DDP's gradient
 hooks sit on the parameters (`DDP(Rockmate(model))`), and FSDP2's `fully_shard(Rockmate(model))`
 gathers every parameter before the planned step and reduce-scatters the gradients after its
-backward. It does not suit an engine wrapped inside it: DDP's forward arms the reducer that
-all-reduces the gradients, and FSDP2 gathers a block's shards in hooks around the block's
-forward; neither forward runs in a planned step, so the gradients would not be averaged across
-ranks, or the parameters would stay shards. Those orders are refused with the order that works.
+backward. A model FSDP2 already shard, `fully_shard` on its blocks and then on the model, is
+run by `ShardedBlocks`: the planned step runs as the root's forward, inside the root's hooks,
+with every block gathered. DDP wrapped inside is refused: its forward arms the reducer that
+all-reduces the gradients, and it does not run in a planned step, so the gradients would not be
+averaged across ranks; so are blocks sharded under a model that is not (no root's hooks to
+gather the blocks' gradients back), each with the order that works.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
 from torch import nn
 
 DDP_ORDER = "wrap Rockmate inside DDP: DDP(Rockmate(model, sample, budget))"
-FSDP_ORDER = ("shard the planned module as one group: fully_shard(Rockmate(model, sample, budget)), "
-              "with no fully_shard on the model or its blocks")
+FSDP_ORDER = ("fully_shard each block, then the model itself, and plan the model: for block in blocks: "
+              "fully_shard(block); fully_shard(model); Rockmate(model, sample, budget); or shard the planned module "
+              "as one group: fully_shard(Rockmate(model, sample, budget))")
 
 
-def check_engine_order(model: nn.Module) -> None:
-    """Raise ValueError if `model` is, or contains, a DDP or FSDP module, or holds DTensor
-    parameters: the planned step would skip their forward-time communication (module docstring)."""
+def check_engine_order(model: nn.Module) -> ShardedBlocks | None:
+    """Raise ValueError if `model` is, or contains, a DDP module, FSDP1, FSDP2 modules under a
+    root that is not one, or DTensor parameters outside FSDP2: the planned step would skip their
+    forward-time communication (module docstring). A model FSDP2 shards from its root gives the
+    `ShardedBlocks` that runs it; any other model None."""
     import torch.distributed as dist
 
     if not dist.is_available():
-        return
+        return None
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.distributed.tensor import DTensor
     from torch.nn.parallel import DistributedDataParallel
 
+    if isinstance(model, FSDPModule):
+        for path, module in model.named_modules():
+            if isinstance(module, DistributedDataParallel):
+                raise ValueError(f"{type(model).__name__} (its submodule {path!r}) is wrapped in "
+                                 f"DistributedDataParallel inside FSDP2; {DDP_ORDER}, or {FSDP_ORDER}")
+        return ShardedBlocks(model)
     for path, module in model.named_modules():
         where = f"{type(model).__name__}" + (f" (its submodule {path!r})" if path else "")
         if isinstance(module, DistributedDataParallel):
@@ -38,9 +53,84 @@ def check_engine_order(model: nn.Module) -> None:
                 f"arms its gradient all-reduce, so gradients would not be averaged across ranks; {DDP_ORDER}")
         if isinstance(module, (FSDPModule, FullyShardedDataParallel)):
             raise ValueError(
-                f"{where} is sharded by FSDP: its parameters are gathered in hooks around its forward, which a "
-                f"planned step does not call (it runs one graph over all parameters); build the unsharded model "
-                f"and {FSDP_ORDER}")
+                f"{where} is sharded by FSDP, and {type(model).__name__} is not sharded by FSDP2 from its root: its "
+                f"parameters are gathered in hooks around its forward, which a planned step does not call (it runs "
+                f"one graph over all parameters); {FSDP_ORDER}")
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError(f"{type(model).__name__} has DTensor parameters (tensor parallelism or sharding): a plan is "
                          f"made for plain tensors. For data parallelism, {DDP_ORDER}, or {FSDP_ORDER}")
+    return None
+
+
+class ShardedBlocks:
+    """A model sharded the way torchtitan and accelerate shard it, `fully_shard` on each block
+    and then on the model (the root), run by one plan over all its parameters.
+
+    A plan is one traced graph over every parameter, so the blocks' parameters must be whole
+    while it runs: the planned step gathers every block, not one block at a time as eager FSDP2
+    does. The root's own hooks still run around the planned step (its `forward` is replaced
+    for the call only), so FSDP2 keeps its per-step bookkeeping: the root gathers its own
+    parameters, re-gathers them before the backward, and at the backward's end reduce-scatters
+    the gradients of every group (its final callback runs the post-backward of groups whose own
+    hooks did not fire, the blocks here) and reshards them. Collectives therefore run only in
+    FSDP2's hooks, outside the planned graphs, and are never recomputed. The gathered
+    parameters and FSDP2's buffers are outside the budget (README: Data parallel).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        self.model = model
+        self.units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every group's parameters whole, as planning at construction needs them (their
+        shapes, and their values for a measured profile); resharded on exit."""
+        for unit in self.units:
+            unit.unshard()
+        try:
+            yield
+        finally:
+            for unit in self.units:
+                unit.reshard()
+
+    @contextlib.contextmanager
+    def traced_as_plain(self) -> Iterator[None]:
+        """While a step is traced, FSDP2's forward hooks (which would gather and reshard, with
+        collectives, on the traced tensors) and the call's own `forward` are set aside, so the
+        trace sees the model's forward over its whole parameters; all restored on exit."""
+        saved = []
+        for unit in self.units:
+            state = unit._get_fsdp_state()
+            ids = {state._pre_forward_hook_handle.id, state._post_forward_hook_handle.id}
+            for name in _FORWARD_HOOK_DICTS:
+                hooks = getattr(unit, name)
+                saved.append((unit, name, hooks))
+                object.__setattr__(unit, name, type(hooks)((k, v) for k, v in hooks.items() if k not in ids))
+        forward = self.model.__dict__.pop("forward", None)
+        try:
+            yield
+        finally:
+            if forward is not None:
+                self.model.__dict__["forward"] = forward
+            for unit, name, hooks in reversed(saved):
+                object.__setattr__(unit, name, hooks)
+
+    def __call__(self, planned_step: Callable[[tuple, dict], Any], args: tuple, kwargs: dict) -> Any:
+        """`planned_step(args, kwargs)` run as the root's forward, inside its FSDP2 hooks, with
+        every block gathered first."""
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            for unit in self.units:
+                unit.unshard()  # a no-op for the root, which its pre-forward hook gathered
+            return planned_step(args, kwargs)
+
+        self.model.__dict__["forward"] = forward
+        try:
+            return self.model(*args, **kwargs)
+        finally:
+            self.model.__dict__.pop("forward", None)
+
+
+_FORWARD_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                       "_forward_hooks_with_kwargs", "_forward_hooks_always_called")

@@ -8,7 +8,9 @@ runtime then runs them in one autograd.Function and applies buffer mutations onc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import logging
 import time
 import warnings
@@ -157,7 +159,7 @@ class Rockmate(nn.Module):
         max_plans: int = 8,
     ) -> None:
         super().__init__()
-        check_engine_order(model)
+        self._sharded = check_engine_order(model)  # FSDP2 from the root: run inside its hooks
         check_gradients_fit(budget, model)
         if max_plans < 1:
             raise ValueError(f"max_plans must be at least 1, got {max_plans}")
@@ -183,9 +185,10 @@ class Rockmate(nn.Module):
         self._sample_signature = _signature(model, args, kwargs)
         self._graph_breaks: GraphBreaks | None = None
         try:
-            self._current = self._plan(args, kwargs)
+            with self._sharded.gathered() if self._sharded is not None else contextlib.nullcontext():
+                self._current = self._plan(args, kwargs)
         except CaptureError as e:  # not one graph: Dynamo splits it, each graph planned in the first step
-            if not splits_into_graphs(e):
+            if not splits_into_graphs(e) or self._sharded is not None:
                 raise
             self._current, self._graph_breaks = None, GraphBreaks(model, budget, self.options, e)
 
@@ -320,7 +323,8 @@ class Rockmate(nn.Module):
             compiled = training_function(self.model, flat, plan_and_generate, boxed_nop)
         with progress.Progress(self.options.name):
             progress.stage("capture")
-            trace(self.model, flat, compiled, args, kwargs, native_kernels=self.backend != "inductor")
+            with self._sharded.traced_as_plain() if self._sharded is not None else contextlib.nullcontext():
+                trace(self.model, flat, compiled, args, kwargs, native_kernels=self.backend != "inductor")
         if not planned:  # AOTAutograd partitions only a step with a backward
             raise ValueError(
                 f"no output of {type(self.model).__name__} requires grad for this input: there is no backward to "
@@ -334,6 +338,8 @@ class Rockmate(nn.Module):
         if not (self.training and torch.is_grad_enabled()):
             return self.model(*args, **kwargs)  # no backward to plan for: the plain forward
         # Dynamo sees True here when torch.compile traces this forward; the step runs as planned.
+        if self._sharded is not None:
+            return self._sharded(functools.partial(self._planned_step, torch.compiler.is_compiling()), args, kwargs)
         return self._planned_step(torch.compiler.is_compiling(), args, kwargs)
 
     @torch.compiler.disable

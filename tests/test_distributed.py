@@ -109,6 +109,35 @@ def _fsdp(rank: int) -> dict:
             "schedule": [tuple(op) for op in rk.schedule.ops]}
 
 
+def _shard_blocks(model: nn.Module) -> nn.Module:
+    """FSDP2 as torchtitan and accelerate apply it: each transformer block, then the model."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.model.transformer.h:
+        fully_shard(block)
+    return fully_shard(model)
+
+
+def _fsdp_blocks(rank: int) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    model, sample = _gpt_with_loss()
+    batch = _batch(sample, rank)
+    eager = _shard_blocks(copy.deepcopy(model))
+    eager_peak = measure_step(_step, eager, batch).peak
+    sharded = _shard_blocks(copy.deepcopy(model))
+    hooks = {path: (dict(m._forward_pre_hooks), dict(m._forward_hooks)) for path, m in sharded.named_modules()}
+    rk = Rockmate(sharded, sample, BUDGET, profile="estimate")
+    untouched = (all(isinstance(p, DTensor) for p in sharded.parameters()) and "forward" not in vars(sharded)
+                 and hooks == {path: (dict(m._forward_pre_hooks), dict(m._forward_hooks))
+                               for path, m in sharded.named_modules()})
+    measured = measure_step(_step, rk, batch)
+    return {"eager": _gradients(eager), "planned": _gradients(rk), "peak": measured.peak, "eager_peak": eager_peak,
+            "budget": rk.budget, "store_all": rk.store_all_peak, "untouched": untouched,
+            "parameter_bytes": sum(_full(p).nbytes for p in rk.parameters()),
+            "schedule": [tuple(op) for op in rk.schedule.ops], "recomputes": _recomputes(rk)}
+
+
 def _refusals(rank: int) -> dict:
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -170,7 +199,7 @@ def _recomputes(rk: Rockmate) -> int:
     return len(computed) - len(set(computed))
 
 
-SCENARIOS = {"ddp": _ddp, "fsdp": _fsdp, "refusals": _refusals, "collective": _collective_in_forward}
+SCENARIOS = {"ddp": _ddp, "fsdp": _fsdp, "fsdp_blocks": _fsdp_blocks, "refusals": _refusals, "collective": _collective_in_forward}
 
 
 def _worker(rank: int, port: int, out: str) -> None:
