@@ -132,5 +132,26 @@ class ShardedBlocks:
             self.model.__dict__.pop("forward", None)
 
 
+def fsdp_buffer_bytes(model: nn.Module, world_size: int) -> int:
+    """The most bytes FSDP2 adds to a planned step of `model` (sharded from its root, run by
+    `ShardedBlocks`) beyond its budget: every group's parameters gathered whole, held from the
+    forward to the end of the backward, and, while a group's gradients are reduce-scattered
+    (they are in the plan), a copy of them and their shard: the parameters' bytes plus
+    (1 + 1/world_size) times the largest group's. Computed from the parameters' whole shapes."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def whole_bytes(p: nn.Parameter) -> int:
+        return p.numel() * p.element_size()  # a DTensor's numel is the whole tensor's
+
+    def own(unit: nn.Module) -> list[nn.Parameter]:  # a group: its module's parameters, less nested groups'
+        nested = {id(p) for sub in unit.modules() if sub is not unit and isinstance(sub, FSDPModule)
+                  for p in sub.parameters()}
+        return [p for p in unit.parameters() if id(p) not in nested]
+
+    groups = [sum(map(whole_bytes, own(m))) for m in model.modules() if isinstance(m, FSDPModule)]
+    largest = max(groups, default=0)
+    return sum(whole_bytes(p) for p in model.parameters()) + largest + largest // world_size
+
+
 _FORWARD_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
                        "_forward_hooks_with_kwargs", "_forward_hooks_always_called")

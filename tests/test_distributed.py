@@ -28,6 +28,7 @@ from torch import nn
 
 from rkgraph.build import is_collective
 from rockplan import Rockmate, zoo
+from rockplan.distributed import fsdp_buffer_bytes
 from rockplan.memory import measure_step
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -118,24 +119,39 @@ def _shard_blocks(model: nn.Module) -> nn.Module:
     return fully_shard(model)
 
 
-def _fsdp_blocks(rank: int) -> dict:
+def _shard_root(model: nn.Module) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard(model)
+
+
+def _fsdp_then_rockmate(rank: int) -> dict:
+    """Per sharding: FSDP2 applied first, then Rockmate, against eager FSDP2 sharded the same way."""
     from torch.distributed.tensor import DTensor
 
-    model, sample = _gpt_with_loss()
-    batch = _batch(sample, rank)
-    eager = _shard_blocks(copy.deepcopy(model))
-    eager_peak = measure_step(_step, eager, batch).peak
-    sharded = _shard_blocks(copy.deepcopy(model))
-    hooks = {path: (dict(m._forward_pre_hooks), dict(m._forward_hooks)) for path, m in sharded.named_modules()}
-    rk = Rockmate(sharded, sample, BUDGET, profile="estimate")
-    untouched = (all(isinstance(p, DTensor) for p in sharded.parameters()) and "forward" not in vars(sharded)
-                 and hooks == {path: (dict(m._forward_pre_hooks), dict(m._forward_hooks))
-                               for path, m in sharded.named_modules()})
-    measured = measure_step(_step, rk, batch)
-    return {"eager": _gradients(eager), "planned": _gradients(rk), "peak": measured.peak, "eager_peak": eager_peak,
-            "budget": rk.budget, "store_all": rk.store_all_peak, "untouched": untouched,
-            "parameter_bytes": sum(_full(p).nbytes for p in rk.parameters()),
-            "schedule": [tuple(op) for op in rk.schedule.ops], "recomputes": _recomputes(rk)}
+    results = {}
+    for name, shard in {"blocks": _shard_blocks, "root": _shard_root}.items():
+        model, sample = _gpt_with_loss()
+        batch = _batch(sample, rank)
+        eager = shard(copy.deepcopy(model))
+        eager_peak = measure_step(_step, eager, batch).peak
+        sharded = shard(copy.deepcopy(model))
+        hooks = _forward_hooks(sharded)
+        rk = Rockmate(sharded, sample, BUDGET, profile="estimate")
+        # Planning leaves the model as FSDP2 made it: sharded, its hooks and forward its own.
+        untouched = (all(isinstance(p, DTensor) for p in sharded.parameters()) and "forward" not in vars(sharded)
+                     and hooks == _forward_hooks(sharded))
+        measured = measure_step(_step, rk, batch)
+        results[name] = {"eager": _gradients(eager), "planned": _gradients(rk), "peak": measured.peak,
+                         "eager_peak": eager_peak, "budget": rk.budget, "untouched": untouched,
+                         "fsdp_buffers": fsdp_buffer_bytes(sharded, WORLD),
+                         "sharded_after_step": all(isinstance(p, DTensor) for p in sharded.parameters()),
+                         "schedule": [tuple(op) for op in rk.schedule.ops], "recomputes": _recomputes(rk)}
+    return results
+
+
+def _forward_hooks(model: nn.Module) -> dict[str, tuple[dict, dict]]:
+    return {path: (dict(m._forward_pre_hooks), dict(m._forward_hooks)) for path, m in model.named_modules()}
 
 
 def _refusals(rank: int) -> dict:
@@ -145,8 +161,8 @@ def _refusals(rank: int) -> dict:
     messages = {}
     wrapped = {
         "Rockmate(DDP(model))": lambda m: DDP(m),
-        "Rockmate(fully_shard(model))": lambda m: fully_shard(m),
-        "fully_shard per block, then Rockmate": lambda m: [fully_shard(b) for b in m.model.transformer.h] and m,
+        "fully_shard on the blocks only, then Rockmate": lambda m: [fully_shard(b) for b in m.model.transformer.h]
+        and m,
     }
     for order, wrap in wrapped.items():
         model, sample = _gpt_with_loss()
@@ -199,7 +215,8 @@ def _recomputes(rk: Rockmate) -> int:
     return len(computed) - len(set(computed))
 
 
-SCENARIOS = {"ddp": _ddp, "fsdp": _fsdp, "fsdp_blocks": _fsdp_blocks, "refusals": _refusals, "collective": _collective_in_forward}
+SCENARIOS = {"ddp": _ddp, "fsdp": _fsdp, "fsdp_first": _fsdp_then_rockmate, "refusals": _refusals,
+             "collective": _collective_in_forward}
 
 
 def _worker(rank: int, port: int, out: str) -> None:
@@ -266,8 +283,24 @@ def test_fully_shard_of_rockmate_matches_eager_fsdp2_within_budget(ranks: list[d
 def test_engines_inside_rockmate_are_refused_with_the_order_that_works(ranks: list[dict]) -> None:
     messages = _scenario(ranks, "refusals")[0]
     assert "DDP(Rockmate(model" in messages["Rockmate(DDP(model))"]
-    assert "fully_shard(Rockmate(model" in messages["Rockmate(fully_shard(model))"]
-    assert "fully_shard(Rockmate(model" in messages["fully_shard per block, then Rockmate"]
+    assert "fully_shard(model); Rockmate(model" in messages["fully_shard on the blocks only, then Rockmate"]
+
+
+@pytest.mark.parametrize("sharding", ["blocks", "root"])
+def test_rockmate_of_fsdp2_matches_eager_fsdp2_within_budget(ranks: list[dict], sharding: str) -> None:
+    """`fully_shard` on each block and then on the model (torchtitan's order), or on the model
+    alone, then Rockmate: eager FSDP2's gradients, and the step within the budget plus FSDP2's
+    gathered parameters and buffers (`fsdp_buffer_bytes`, README)."""
+    results = [r[sharding] for r in _scenario(ranks, "fsdp_first")]
+    _assert_same_gradients(results)
+    assert results[0]["schedule"] == results[1]["schedule"]
+    for rank, r in enumerate(results):
+        assert r["recomputes"] > 0, "the budget is tight enough to make the plan recompute"
+        assert r["untouched"] and r["sharded_after_step"]
+        assert r["peak"] <= r["budget"] + r["fsdp_buffers"], (
+            f"rank {rank}: peak {r['peak']} > budget {r['budget']} + FSDP2's buffers {r['fsdp_buffers']}")
+        print(f"rank {rank}: FSDP2 ({sharding}) then Rockmate",
+              {k: v for k, v in r.items() if k not in ("eager", "planned", "schedule")})
 
 
 def test_collectives_in_the_forward_run_once(ranks: list[dict]) -> None:
