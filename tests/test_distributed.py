@@ -72,7 +72,7 @@ def _gradients(module: nn.Module) -> dict[str, torch.Tensor]:
         while name.startswith(("module.", "model.")):
             name = name.split(".", 1)[1]
         return name
-    return {inner(name): _full(p.grad).detach().clone() for name, p in module.named_parameters()}
+    return {inner(name): _full(p.grad).detach().cpu().clone() for name, p in module.named_parameters()}
 
 
 def _ddp(rank: int) -> dict:
@@ -125,14 +125,15 @@ def _shard_root(model: nn.Module) -> nn.Module:
     return fully_shard(model)
 
 
-def _fsdp_then_rockmate(rank: int) -> dict:
+def _fsdp_then_rockmate(rank: int, device: str = "cpu") -> dict:
     """Per sharding: FSDP2 applied first, then Rockmate, against eager FSDP2 sharded the same way."""
     from torch.distributed.tensor import DTensor
 
     results = {}
     for name, shard in {"blocks": _shard_blocks, "root": _shard_root}.items():
         model, sample = _gpt_with_loss()
-        batch = _batch(sample, rank)
+        model, sample = model.to(device), sample.to(device)
+        batch = _batch(sample, rank).to(device)
         eager = shard(copy.deepcopy(model))
         eager_peak = measure_step(_step, eager, batch).peak
         sharded = shard(copy.deepcopy(model))
@@ -219,13 +220,15 @@ SCENARIOS = {"ddp": _ddp, "fsdp": _fsdp, "fsdp_first": _fsdp_then_rockmate, "ref
              "collective": _collective_in_forward}
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+def _worker(rank: int, port: int, out: str, backend: str = "gloo", scenarios: dict | None = None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=WORLD)
     torch.set_num_threads(1)  # two ranks share the machine's cores
     results = {}
     try:
-        for name, scenario in SCENARIOS.items():
+        for name, scenario in (scenarios or SCENARIOS).items():
             try:
                 results[name] = scenario(rank)
             except Exception:  # reported by the scenario's test, the others still run
@@ -344,3 +347,23 @@ def test_record_function_in_forward_is_planned_and_matches_eager() -> None:
         assert torch.equal(p.grad, q.grad), name
     assert _recomputes(rk) > 0
     assert measured.peak <= rk.budget
+
+
+def _fsdp_then_rockmate_on_cuda(rank: int) -> dict:
+    return _fsdp_then_rockmate(rank, f"cuda:{rank}")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < WORLD
+                    or not dist.is_nccl_available(), reason="needs two CUDA devices and NCCL")
+@pytest.mark.parametrize("sharding", ["blocks", "root"])
+def test_rockmate_of_fsdp2_on_nccl_matches_eager_fsdp2_within_budget(tmp_path: Path, sharding: str) -> None:
+    """The same as on gloo, one GPU per rank over NCCL, peaks read from the CUDA allocator."""
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), "nccl", {"fsdp_first": _fsdp_then_rockmate_on_cuda}),
+             nprocs=WORLD, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    results = [r[sharding] for r in _scenario(ranks, "fsdp_first")]
+    _assert_same_gradients(results)
+    for rank, r in enumerate(results):
+        assert r["peak"] <= r["budget"] + r["fsdp_buffers"], (
+            f"rank {rank}: peak {r['peak']} > budget {r['budget']} + FSDP2's buffers {r['fsdp_buffers']}")
