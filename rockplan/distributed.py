@@ -18,7 +18,11 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from torch import nn
+import torch
+from torch import fx, nn
+
+from rkgraph.build import is_view
+from rkgraph.capture import FlatCall, JointGraph, is_tangent
 
 DDP_ORDER = "wrap Rockmate inside DDP: DDP(Rockmate(model, sample, budget))"
 FSDP_ORDER = ("fully_shard each block, then the model itself, and plan the model: for block in blocks: "
@@ -63,18 +67,22 @@ def check_engine_order(model: nn.Module) -> ShardedBlocks | None:
 
 
 class ShardedBlocks:
-    """A model sharded the way torchtitan and accelerate shard it, `fully_shard` on each block
-    and then on the model (the root), run by one plan over all its parameters.
+    """A model FSDP2 shards from its root, `fully_shard` on each block and then on the model
+    (as torchtitan and accelerate shard it), run by one plan over all its parameters.
 
-    A plan is one traced graph over every parameter, so the blocks' parameters must be whole
-    while it runs: the planned step gathers every block, not one block at a time as eager FSDP2
-    does. The root's own hooks still run around the planned step (its `forward` is replaced
-    for the call only), so FSDP2 keeps its per-step bookkeeping: the root gathers its own
-    parameters, re-gathers them before the backward, and at the backward's end reduce-scatters
-    the gradients of every group (its final callback runs the post-backward of groups whose own
-    hooks did not fire, the blocks here) and reshards them. Collectives therefore run only in
-    FSDP2's hooks, outside the planned graphs, and are never recomputed. The gathered
-    parameters and FSDP2's buffers are outside the budget (README: Data parallel).
+    The planned step runs as the root's forward, inside the root's hooks: FSDP2 gathers the
+    root's own parameters there, gathers them again before the backward, and at the backward's
+    end its final callback reduce-scatters the gradients of every group (it runs the
+    post-backward of groups whose own hooks did not fire: the blocks here) and reshards them.
+    The blocks' forwards, and so their hooks, do not run in a planned step; each block is
+    gathered instead by the generated code where the plan reads its parameters, and resharded
+    after their last read, in the forward and again in the backward (`gather_where_read`): as
+    eager FSDP2 holds a block, in the plan's order, recomputations included. The step's inputs
+    are the blocks' unsharded parameters as FSDP2 keeps them (their storage freed between
+    gathers, refilled in place), so what the plan saves for the backward is gathered again
+    before it is read. The gathers are calls between the plan's ops, not nodes of its graph:
+    collectives are never recomputed. What FSDP2 holds is outside the budget
+    (`fsdp_buffer_bytes`).
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -82,6 +90,8 @@ class ShardedBlocks:
 
         self.model = model
         self.units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        self.blocks = [m for m in self.units if m is not model]  # the root gathers itself
+        self._unsharded: dict[str, nn.Parameter] = {}  # a block's parameter's name -> FSDP2's unsharded one
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
@@ -90,6 +100,8 @@ class ShardedBlocks:
         for unit in self.units:
             unit.unshard()
         try:
+            self._unsharded = {name: p for name, p in self.model.named_parameters()
+                               if any(p is q for block in self.blocks for q in block.parameters())}
             yield
         finally:
             for unit in self.units:
@@ -117,19 +129,68 @@ class ShardedBlocks:
             for unit, name, hooks in reversed(saved):
                 object.__setattr__(unit, name, hooks)
 
-    def __call__(self, planned_step: Callable[[tuple, dict], Any], args: tuple, kwargs: dict) -> Any:
-        """`planned_step(args, kwargs)` run as the root's forward, inside its FSDP2 hooks, with
-        every block gathered first."""
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            for unit in self.units:
-                unit.unshard()  # a no-op for the root, which its pre-forward hook gathered
-            return planned_step(args, kwargs)
+    def step_tensors(self, flat: FlatCall, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        """The planned step's inputs: the model's parameters, each block's as FSDP2's unsharded
+        parameter (gathered by the step where it is read), then buffers and input tensors."""
+        parameters = [self._unsharded.get(name, p) for name, p in self.model.named_parameters()]
+        return [*parameters, *self.model.buffers(), *flat.tensors(args, kwargs)]
 
-        self.model.__dict__["forward"] = forward
+    def gather_where_read(self, forward: fx.GraphModule, backward: fx.GraphModule,
+                          joint: JointGraph) -> tuple[fx.GraphModule, fx.GraphModule]:
+        """`forward` and `backward` with each block gathered before the first op that reads
+        its parameters and resharded after the last one."""
+        primals = [n.name for n in joint.module.graph.find_nodes(op="placeholder") if not is_tangent(n)]
+        block_of = {}
+        for primal, kind, name in zip(primals, joint.input_kinds, joint.input_names):
+            if kind == "param" and name in self._unsharded:
+                block_of[primal] = next(i for i, b in enumerate(self.blocks)
+                                        if any(self._unsharded[name] is q for q in b.parameters()))
+        for module in (forward, backward):
+            _insert_gathers(module, block_of, self.blocks)
+        return forward, backward
+
+    def __call__(self, planned_step: Callable[[tuple, dict], Any], args: tuple, kwargs: dict) -> Any:
+        """`planned_step(args, kwargs)` run as the root's forward, inside its FSDP2 hooks."""
+        self.model.__dict__["forward"] = lambda *args, **kwargs: planned_step(args, kwargs)
         try:
             return self.model(*args, **kwargs)
         finally:
             self.model.__dict__.pop("forward", None)
+
+
+def _insert_gathers(module: fx.GraphModule, block_of: dict[str, int], blocks: list[nn.Module]) -> None:
+    """Insert `blocks[i].unshard()` before the first node of `module` that reads (or views)
+    block i's parameter placeholders (named in `block_of`), and `blocks[i].reshard()` after the
+    last one; the output (a parameter handed to the backward) is no read."""
+    reads: dict[int, list[fx.Node]] = {}
+    aliases: dict[fx.Node, int] = {n: block_of[n.name] for n in module.graph.find_nodes(op="placeholder")
+                                   if n.name in block_of}
+    for node in module.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        touched = {aliases[a] for a in node.all_input_nodes if a in aliases}
+        for block in touched:
+            reads.setdefault(block, []).append(node)
+        if touched and is_view(node):
+            aliases[node] = next(iter(touched))
+    for block, nodes in reads.items():
+        with module.graph.inserting_before(nodes[0]):
+            module.graph.call_function(_Gather(blocks[block], "unshard"))
+        with module.graph.inserting_after(nodes[-1]):
+            module.graph.call_function(_Gather(blocks[block], "reshard"))
+    module.recompile()
+
+
+class _Gather:
+    """A call in generated code gathering (`unshard`) or resharding a block: FSDP2's public
+    methods, which collect and free the block's parameters in place."""
+
+    def __init__(self, block: nn.Module, action: str) -> None:
+        self.block, self.action = block, action
+        self.__name__ = f"fsdp_{action}"
+
+    def __call__(self) -> None:
+        getattr(self.block, self.action)()
 
 
 def fsdp_buffer_bytes(model: nn.Module, world_size: int) -> int:

@@ -314,7 +314,8 @@ class Rockmate(nn.Module):
             reused = (reuse(joint, budget, options, p, real) for p in held)
             planned.append(next(filter(None, reused), None) or plan(joint, budget, options, real))
             progress.stage("generate")
-            return generate(planned[0].joint, planned[0].graph, planned[0].schedule)
+            modules = generate(planned[0].joint, planned[0].graph, planned[0].schedule)
+            return modules if self._sharded is None else self._sharded.gather_where_read(*modules, planned[0].joint)
 
         if self.backend == "inductor":
             compiler = inductor_compiler(lambda: planned[0].joint.num_fwd_outputs)
@@ -366,7 +367,8 @@ class Rockmate(nn.Module):
         else:
             self._steps.move_to_end(signature)
         self._current = step
-        out = step.compiled(*flat_tensors(self.model, step.flat, args, kwargs))
+        out = step.compiled(*(flat_tensors(self.model, step.flat, args, kwargs) if self._sharded is None
+                              else self._sharded.step_tensors(step.flat, args, kwargs)))
         return step.flat.result(self.model, out)
 
     def _report_replan(self, step: PlannedStep, signature: tuple) -> None:
