@@ -4,12 +4,13 @@ A planned step runs in place of the model's forward: one traced graph over all p
 backward inside one autograd Function. That suits an engine wrapped around it: DDP's gradient
 hooks sit on the parameters (`DDP(Rockmate(model))`), and FSDP2's `fully_shard(Rockmate(model))`
 gathers every parameter before the planned step and reduce-scatters the gradients after its
-backward. A model FSDP2 already shard, `fully_shard` on its blocks and then on the model, is
+backward. A model FSDP2 already shards, `fully_shard` on its blocks and then on the model, is
 run by `ShardedBlocks`: the planned step runs as the root's forward, inside the root's hooks,
-with every block gathered. DDP wrapped inside is refused: its forward arms the reducer that
-all-reduces the gradients, and it does not run in a planned step, so the gradients would not be
-averaged across ranks; so are blocks sharded under a model that is not (no root's hooks to
-gather the blocks' gradients back), each with the order that works.
+and the generated code gathers each block where the plan reads it. DDP wrapped inside is
+refused: its forward arms the reducer that all-reduces the gradients, and it does not run in a
+planned step, so the gradients would not be averaged across ranks; so are blocks sharded under
+a model that is not (no root's hooks to reduce-scatter the blocks' gradients), each with the
+order that works.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ FSDP_ORDER = ("fully_shard each block, then the model itself, and plan the model
               "as one group: fully_shard(Rockmate(model, sample, budget))")
 
 
-def check_engine_order(model: nn.Module) -> ShardedBlocks | None:
+def check_engine_order(model: nn.Module, backend: str = "eager") -> ShardedBlocks | None:
     """Raise ValueError if `model` is, or contains, a DDP module, FSDP1, FSDP2 modules under a
     root that is not one, or DTensor parameters outside FSDP2: the planned step would skip their
     forward-time communication (module docstring). A model FSDP2 shards from its root gives the
-    `ShardedBlocks` that runs it; any other model None."""
+    `ShardedBlocks` that runs it (with `backend` "eager": Inductor would compile the gathers
+    inserted between the plan's ops with them); any other model None."""
     import torch.distributed as dist
 
     if not dist.is_available():
@@ -48,6 +50,10 @@ def check_engine_order(model: nn.Module) -> ShardedBlocks | None:
             if isinstance(module, DistributedDataParallel):
                 raise ValueError(f"{type(model).__name__} (its submodule {path!r}) is wrapped in "
                                  f"DistributedDataParallel inside FSDP2; {DDP_ORDER}, or {FSDP_ORDER}")
+        if backend != "eager":
+            raise ValueError(f"{type(model).__name__} is sharded by FSDP2, whose gathers run between the planned "
+                             "ops: plan it with backend='eager', or build fully_shard(Rockmate(model, sample, budget, "
+                             "backend='inductor')) from the unsharded model")
         return ShardedBlocks(model)
     for path, module in model.named_modules():
         where = f"{type(model).__name__}" + (f" (its submodule {path!r})" if path else "")
@@ -92,33 +98,41 @@ class ShardedBlocks:
         self.units = [m for m in model.modules() if isinstance(m, FSDPModule)]
         self.blocks = [m for m in self.units if m is not model]  # the root gathers itself
         self._unsharded: dict[str, nn.Parameter] = {}  # a block's parameter's name -> FSDP2's unsharded one
+        self.most_gathered = 0  # bytes of blocks the generated code holds gathered at once, over its plans
 
     @contextlib.contextmanager
-    def gathered(self) -> Iterator[None]:
-        """Every group's parameters whole, as planning at construction needs them (their
-        shapes, and their values for a measured profile); resharded on exit."""
-        for unit in self.units:
+    def planning(self, values: bool) -> Iterator[None]:
+        """What tracing and planning a step needs: the parameters whole, and FSDP2's forward
+        hooks (which would gather and reshard, with collectives, on the traced tensors) and the
+        call's own `forward` set aside, so the trace sees the model's forward over its whole
+        parameters. The trace runs on fake tensors, which need only shapes: each sharded group is
+        gathered in turn, for FSDP2 to make its unsharded parameters, and resharded at once, and
+        those (their storage freed) stand in the modules for the sharded ones while planning;
+        so planning holds at most one group gathered. With `values` (a measured profile runs the
+        graph on real tensors), every sharded group is gathered instead. All restored on exit:
+        planning inside a step (a new input) leaves the root gathered, as its hooks left it."""
+        from torch.distributed.tensor import DTensor
+
+        sharded = [unit for unit in self.units if any(isinstance(p, DTensor) for p in _group(unit))]
+        swapped: list[tuple[nn.Module, str, nn.Parameter]] = []  # (module, name, the unsharded parameter)
+        for unit in sharded:
             unit.unshard()
-        try:
-            self._unsharded = {name: p for name, p in self.model.named_parameters()
-                               if any(p is q for block in self.blocks for q in block.parameters())}
-            yield
-        finally:
-            for unit in self.units:
+            if not values:
+                swapped += [(m, name, p) for m in unit.modules() for name, p in m._parameters.items()
+                            if p is not None and not isinstance(p, DTensor)]
                 unit.reshard()
-
-    @contextlib.contextmanager
-    def traced_as_plain(self) -> Iterator[None]:
-        """While a step is traced, FSDP2's forward hooks (which would gather and reshard, with
-        collectives, on the traced tensors) and the call's own `forward` are set aside, so the
-        trace sees the model's forward over its whole parameters; all restored on exit."""
-        saved = []
+        restore = [(m, name, m._parameters[name]) for m, name, _ in swapped]
+        for m, name, p in swapped:
+            m._parameters[name] = p
+        self._unsharded = {name: p for name, p in self.model.named_parameters()
+                           if any(p is q for block in self.blocks for q in _group(block))}
+        hooks_saved = []
         for unit in self.units:
             state = unit._get_fsdp_state()
             ids = {state._pre_forward_hook_handle.id, state._post_forward_hook_handle.id}
             for name in _FORWARD_HOOK_DICTS:
                 hooks = getattr(unit, name)
-                saved.append((unit, name, hooks))
+                hooks_saved.append((unit, name, hooks))
                 object.__setattr__(unit, name, type(hooks)((k, v) for k, v in hooks.items() if k not in ids))
         forward = self.model.__dict__.pop("forward", None)
         try:
@@ -126,8 +140,13 @@ class ShardedBlocks:
         finally:
             if forward is not None:
                 self.model.__dict__["forward"] = forward
-            for unit, name, hooks in reversed(saved):
+            for unit, name, hooks in reversed(hooks_saved):
                 object.__setattr__(unit, name, hooks)
+            for m, name, p in restore:
+                m._parameters[name] = p
+            if values:
+                for unit in sharded:
+                    unit.reshard()
 
     def step_tensors(self, flat: FlatCall, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         """The planned step's inputs: the model's parameters, each block's as FSDP2's unsharded
@@ -144,9 +163,10 @@ class ShardedBlocks:
         for primal, kind, name in zip(primals, joint.input_kinds, joint.input_names):
             if kind == "param" and name in self._unsharded:
                 block_of[primal] = next(i for i, b in enumerate(self.blocks)
-                                        if any(self._unsharded[name] is q for q in b.parameters()))
+                                        if any(self._unsharded[name] is q for q in _group(b)))
+        sizes = [sum(map(_whole_bytes, _group(block))) for block in self.blocks]
         for module in (forward, backward):
-            _insert_gathers(module, block_of, self.blocks)
+            self.most_gathered = max(self.most_gathered, _insert_gathers(module, block_of, self.blocks, sizes))
         return forward, backward
 
     def __call__(self, planned_step: Callable[[tuple, dict], Any], args: tuple, kwargs: dict) -> Any:
@@ -158,10 +178,12 @@ class ShardedBlocks:
             self.model.__dict__.pop("forward", None)
 
 
-def _insert_gathers(module: fx.GraphModule, block_of: dict[str, int], blocks: list[nn.Module]) -> None:
+def _insert_gathers(module: fx.GraphModule, block_of: dict[str, int], blocks: list[nn.Module],
+                    sizes: list[int]) -> int:
     """Insert `blocks[i].unshard()` before the first node of `module` that reads (or views)
     block i's parameter placeholders (named in `block_of`), and `blocks[i].reshard()` after the
-    last one; the output (a parameter handed to the backward) is no read."""
+    last one; the output (a parameter handed to the backward) is no read. Returns the most
+    bytes of blocks gathered at once (`sizes[i]`: block i's)."""
     reads: dict[int, list[fx.Node]] = {}
     aliases: dict[fx.Node, int] = {n: block_of[n.name] for n in module.graph.find_nodes(op="placeholder")
                                    if n.name in block_of}
@@ -173,12 +195,20 @@ def _insert_gathers(module: fx.GraphModule, block_of: dict[str, int], blocks: li
             reads.setdefault(block, []).append(node)
         if touched and is_view(node):
             aliases[node] = next(iter(touched))
+    order = {node: i for i, node in enumerate(module.graph.nodes)}
+    changes = sorted([(order[nodes[0]], sizes[block]) for block, nodes in reads.items()]
+                     + [(order[nodes[-1]] + 0.5, -sizes[block]) for block, nodes in reads.items()])
+    gathered = most = 0
+    for _, change in changes:
+        gathered += change
+        most = max(most, gathered)
     for block, nodes in reads.items():
         with module.graph.inserting_before(nodes[0]):
             module.graph.call_function(_Gather(blocks[block], "unshard"))
         with module.graph.inserting_after(nodes[-1]):
             module.graph.call_function(_Gather(blocks[block], "reshard"))
     module.recompile()
+    return most
 
 
 class _Gather:
@@ -193,25 +223,36 @@ class _Gather:
         getattr(self.block, self.action)()
 
 
-def fsdp_buffer_bytes(model: nn.Module, world_size: int) -> int:
-    """The most bytes FSDP2 adds to a planned step of `model` (sharded from its root, run by
-    `ShardedBlocks`) beyond its budget: every group's parameters gathered whole, held from the
-    forward to the end of the backward, and, while a group's gradients are reduce-scattered
-    (they are in the plan), a copy of them and their shard: the parameters' bytes plus
-    (1 + 1/world_size) times the largest group's. Computed from the parameters' whole shapes."""
+def fsdp_buffer_bytes(rk: nn.Module) -> int:
+    """The most bytes FSDP2 adds beyond the budget to the planned steps of `rk` (a Rockmate of
+    a model FSDP2 shards from its root, after its first plan): the root's group gathered
+    through the step (its hooks), the blocks its plans hold gathered at once
+    (`ShardedBlocks.most_gathered`), and the flat buffers of a group's all-gather (while it is
+    copied out) or reduce-scatter (a copy of its gradients, and their shard), (1 + 1/world
+    size) times the largest group's bytes. The gradients of the whole parameters are in the
+    plan, so in the budget."""
+    import torch.distributed as dist
+
+    sharded: ShardedBlocks | None = getattr(rk, "_sharded", None)
+    if sharded is None:
+        raise ValueError(f"{type(rk).__name__} is not a Rockmate of a model sharded by FSDP2 from its root")
+    groups = [sum(map(_whole_bytes, _group(unit))) for unit in sharded.units]
+    root = sum(map(_whole_bytes, _group(sharded.model))) if sharded.model in sharded.units else 0
+    largest = max(groups, default=0)
+    return root + sharded.most_gathered + largest + largest // dist.get_world_size()
+
+
+def _whole_bytes(p: torch.Tensor) -> int:
+    return p.numel() * p.element_size()  # a DTensor's numel is the whole tensor's
+
+
+def _group(unit: nn.Module) -> list[nn.Parameter]:
+    """The parameters of FSDP2's group of `unit`: its module's, less those of groups nested in it."""
     from torch.distributed.fsdp import FSDPModule
 
-    def whole_bytes(p: nn.Parameter) -> int:
-        return p.numel() * p.element_size()  # a DTensor's numel is the whole tensor's
-
-    def own(unit: nn.Module) -> list[nn.Parameter]:  # a group: its module's parameters, less nested groups'
-        nested = {id(p) for sub in unit.modules() if sub is not unit and isinstance(sub, FSDPModule)
-                  for p in sub.parameters()}
-        return [p for p in unit.parameters() if id(p) not in nested]
-
-    groups = [sum(map(whole_bytes, own(m))) for m in model.modules() if isinstance(m, FSDPModule)]
-    largest = max(groups, default=0)
-    return sum(whole_bytes(p) for p in model.parameters()) + largest + largest // world_size
+    nested = {id(p) for sub in unit.modules() if sub is not unit and isinstance(sub, FSDPModule)
+              for p in sub.parameters()}
+    return [p for p in unit.parameters() if id(p) not in nested]
 
 
 _FORWARD_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",

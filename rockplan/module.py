@@ -159,7 +159,7 @@ class Rockmate(nn.Module):
         max_plans: int = 8,
     ) -> None:
         super().__init__()
-        self._sharded = check_engine_order(model)  # FSDP2 from the root: run inside its hooks
+        self._sharded = check_engine_order(model, backend)  # FSDP2 from the root: run inside its hooks
         check_gradients_fit(budget, model)
         if max_plans < 1:
             raise ValueError(f"max_plans must be at least 1, got {max_plans}")
@@ -185,8 +185,7 @@ class Rockmate(nn.Module):
         self._sample_signature = _signature(model, args, kwargs)
         self._graph_breaks: GraphBreaks | None = None
         try:
-            with self._sharded.gathered() if self._sharded is not None else contextlib.nullcontext():
-                self._current = self._plan(args, kwargs)
+            self._current = self._plan(args, kwargs)
         except CaptureError as e:  # not one graph: Dynamo splits it, each graph planned in the first step
             if not splits_into_graphs(e) or self._sharded is not None:
                 raise
@@ -261,7 +260,9 @@ class Rockmate(nn.Module):
         """Capture the step on fake tensors and plan it, inside AOTAutograd's partition step;
         with Inductor, measure the compiled step and plan again tighter while it exceeds the budget."""
         start = time.perf_counter()
-        step = self._plan_within(self.budget_spec, self.options, args, kwargs)
+        with (self._sharded.planning(values=self.options.profile != "estimate") if self._sharded is not None
+              else contextlib.nullcontext()):
+            step = self._plan_within(self.budget_spec, self.options, args, kwargs)
         if self.backend == "inductor":
             step = self._fit_compiled_step(step, args, kwargs)
         step.plan_time = time.perf_counter() - start
@@ -324,8 +325,7 @@ class Rockmate(nn.Module):
             compiled = training_function(self.model, flat, plan_and_generate, boxed_nop)
         with progress.Progress(self.options.name):
             progress.stage("capture")
-            with self._sharded.traced_as_plain() if self._sharded is not None else contextlib.nullcontext():
-                trace(self.model, flat, compiled, args, kwargs, native_kernels=self.backend != "inductor")
+            trace(self.model, flat, compiled, args, kwargs, native_kernels=self.backend != "inductor")
         if not planned:  # AOTAutograd partitions only a step with a backward
             raise ValueError(
                 f"no output of {type(self.model).__name__} requires grad for this input: there is no backward to "

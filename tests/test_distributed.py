@@ -145,9 +145,16 @@ def _fsdp_then_rockmate(rank: int, device: str = "cpu") -> dict:
         measured = measure_step(_step, rk, batch)
         results[name] = {"eager": _gradients(eager), "planned": _gradients(rk), "peak": measured.peak,
                          "eager_peak": eager_peak, "budget": rk.budget, "untouched": untouched,
-                         "fsdp_buffers": fsdp_buffer_bytes(sharded, WORLD),
+                         "fsdp_buffers": fsdp_buffer_bytes(rk),
                          "sharded_after_step": all(isinstance(p, DTensor) for p in sharded.parameters()),
                          "schedule": [tuple(op) for op in rk.schedule.ops], "recomputes": _recomputes(rk)}
+        # A shorter input is planned inside its step, within the root's forward.
+        for module in (eager, rk):
+            module.zero_grad()
+        with pytest.warns(UserWarning, match="planned for a new input"):
+            _step(rk, batch[:, : batch.shape[1] // 2])
+        _step(eager, batch[:, : batch.shape[1] // 2])
+        results[name + ", shorter input"] = {"eager": _gradients(eager), "planned": _gradients(rk)}
     return results
 
 
@@ -304,6 +311,11 @@ def test_rockmate_of_fsdp2_matches_eager_fsdp2_within_budget(ranks: list[dict], 
             f"rank {rank}: peak {r['peak']} > budget {r['budget']} + FSDP2's buffers {r['fsdp_buffers']}")
         print(f"rank {rank}: FSDP2 ({sharding}) then Rockmate",
               {k: v for k, v in r.items() if k not in ("eager", "planned", "schedule")})
+
+
+@pytest.mark.parametrize("sharding", ["blocks", "root"])
+def test_rockmate_of_fsdp2_plans_a_new_input_inside_the_step(ranks: list[dict], sharding: str) -> None:
+    _assert_same_gradients([r[sharding + ", shorter input"] for r in _scenario(ranks, "fsdp_first")])
 
 
 def test_collectives_in_the_forward_run_once(ranks: list[dict]) -> None:
