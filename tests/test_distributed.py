@@ -138,14 +138,15 @@ def _fsdp_then_rockmate(rank: int, device: str = "cpu") -> dict:
         eager_peak = measure_step(_step, eager, batch).peak
         sharded = shard(copy.deepcopy(model))
         hooks = _forward_hooks(sharded)
-        rk = Rockmate(sharded, sample, BUDGET, profile="estimate")
+        planning = measure_step(Rockmate, sharded, sample, BUDGET, profile="estimate")
+        rk = planning.result
         # Planning leaves the model as FSDP2 made it: sharded, its hooks and forward its own.
         untouched = (all(isinstance(p, DTensor) for p in sharded.parameters()) and "forward" not in vars(sharded)
                      and hooks == _forward_hooks(sharded))
         measured = measure_step(_step, rk, batch)
         results[name] = {"eager": _gradients(eager), "planned": _gradients(rk), "peak": measured.peak,
                          "eager_peak": eager_peak, "budget": rk.budget, "untouched": untouched,
-                         "fsdp_buffers": fsdp_buffer_bytes(rk),
+                         "fsdp_buffers": fsdp_buffer_bytes(rk), "planning_peak": planning.peak,
                          "sharded_after_step": all(isinstance(p, DTensor) for p in sharded.parameters()),
                          "schedule": [tuple(op) for op in rk.schedule.ops], "recomputes": _recomputes(rk)}
         # A shorter input is planned inside its step, within the root's forward.
@@ -307,6 +308,8 @@ def test_rockmate_of_fsdp2_matches_eager_fsdp2_within_budget(ranks: list[dict], 
     for rank, r in enumerate(results):
         assert r["recomputes"] > 0, "the budget is tight enough to make the plan recompute"
         assert r["untouched"] and r["sharded_after_step"]
+        # Planning traces on the whole shapes with one group gathered at a time, within the budget.
+        assert r["planning_peak"] <= r["budget"], f"rank {rank}: planning peaked at {r['planning_peak']}"
         assert r["peak"] <= r["budget"] + r["fsdp_buffers"], (
             f"rank {rank}: peak {r['peak']} > budget {r['budget']} + FSDP2's buffers {r['fsdp_buffers']}")
         print(f"rank {rank}: FSDP2 ({sharding}) then Rockmate",
