@@ -8,7 +8,9 @@ runtime then runs them in one autograd.Function and applies buffer mutations onc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import logging
 import time
 import warnings
@@ -157,7 +159,7 @@ class Rockmate(nn.Module):
         max_plans: int = 8,
     ) -> None:
         super().__init__()
-        check_engine_order(model)
+        self._sharded = check_engine_order(model, backend)  # FSDP2 from the root: run inside its hooks
         check_gradients_fit(budget, model)
         if max_plans < 1:
             raise ValueError(f"max_plans must be at least 1, got {max_plans}")
@@ -185,7 +187,7 @@ class Rockmate(nn.Module):
         try:
             self._current = self._plan(args, kwargs)
         except CaptureError as e:  # not one graph: Dynamo splits it, each graph planned in the first step
-            if not splits_into_graphs(e):
+            if not splits_into_graphs(e) or self._sharded is not None:
                 raise
             self._current, self._graph_breaks = None, GraphBreaks(model, budget, self.options, e)
 
@@ -258,7 +260,9 @@ class Rockmate(nn.Module):
         """Capture the step on fake tensors and plan it, inside AOTAutograd's partition step;
         with Inductor, measure the compiled step and plan again tighter while it exceeds the budget."""
         start = time.perf_counter()
-        step = self._plan_within(self.budget_spec, self.options, args, kwargs)
+        with (self._sharded.planning(values=self.options.profile != "estimate") if self._sharded is not None
+              else contextlib.nullcontext()):
+            step = self._plan_within(self.budget_spec, self.options, args, kwargs)
         if self.backend == "inductor":
             step = self._fit_compiled_step(step, args, kwargs)
         step.plan_time = time.perf_counter() - start
@@ -310,8 +314,11 @@ class Rockmate(nn.Module):
             held = [s.plan for s in reversed(self._steps.values())] if self.on_new_input == "reuse" else []
             reused = (reuse(joint, budget, options, p, real) for p in held)
             planned.append(next(filter(None, reused), None) or plan(joint, budget, options, real))
+            if self._sharded is not None:
+                planned[0] = self._sharded.agree(planned[0], joint, budget, options, real)
             progress.stage("generate")
-            return generate(planned[0].joint, planned[0].graph, planned[0].schedule)
+            modules = generate(planned[0].joint, planned[0].graph, planned[0].schedule)
+            return modules if self._sharded is None else self._sharded.gather_where_read(*modules, planned[0].joint)
 
         if self.backend == "inductor":
             compiler = inductor_compiler(lambda: planned[0].joint.num_fwd_outputs)
@@ -334,6 +341,8 @@ class Rockmate(nn.Module):
         if not (self.training and torch.is_grad_enabled()):
             return self.model(*args, **kwargs)  # no backward to plan for: the plain forward
         # Dynamo sees True here when torch.compile traces this forward; the step runs as planned.
+        if self._sharded is not None:
+            return self._sharded(functools.partial(self._planned_step, torch.compiler.is_compiling()), args, kwargs)
         return self._planned_step(torch.compiler.is_compiling(), args, kwargs)
 
     @torch.compiler.disable
@@ -360,7 +369,8 @@ class Rockmate(nn.Module):
         else:
             self._steps.move_to_end(signature)
         self._current = step
-        out = step.compiled(*flat_tensors(self.model, step.flat, args, kwargs))
+        out = step.compiled(*(flat_tensors(self.model, step.flat, args, kwargs) if self._sharded is None
+                              else self._sharded.step_tensors(step.flat, args, kwargs)))
         return step.flat.result(self.model, out)
 
     def _report_replan(self, step: PlannedStep, signature: tuple) -> None:

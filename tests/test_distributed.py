@@ -19,6 +19,7 @@ import copy
 import os
 import socket
 import traceback
+import warnings
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from rkgraph.build import is_collective
+from rkgraph.capture import is_tangent
 from rockplan import Rockmate, zoo
+from rockplan.distributed import fsdp_buffer_bytes
 from rockplan.memory import measure_step
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -72,7 +75,7 @@ def _gradients(module: nn.Module) -> dict[str, torch.Tensor]:
         while name.startswith(("module.", "model.")):
             name = name.split(".", 1)[1]
         return name
-    return {inner(name): _full(p.grad).detach().clone() for name, p in module.named_parameters()}
+    return {inner(name): _full(p.grad).detach().cpu().clone() for name, p in module.named_parameters()}
 
 
 def _ddp(rank: int) -> dict:
@@ -109,6 +112,87 @@ def _fsdp(rank: int) -> dict:
             "parameter_bytes": sum(_full(p).nbytes for p in planned.parameters())}
 
 
+def _shard_blocks(model: nn.Module) -> nn.Module:
+    """FSDP2 as torchtitan and accelerate apply it: each transformer block, then the model."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.model.transformer.h:
+        fully_shard(block)
+    return fully_shard(model)
+
+
+def _shard_root(model: nn.Module) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard(model)
+
+
+def _fsdp_then_rockmate(rank: int, device: str = "cpu") -> dict:
+    """Per sharding: FSDP2 applied first, then Rockmate, against eager FSDP2 sharded the same way."""
+    from torch.distributed.tensor import DTensor
+
+    results = {}
+    for name, shard in {"blocks": _shard_blocks, "root": _shard_root}.items():
+        model, sample = _gpt_with_loss()
+        model, sample = model.to(device), sample.to(device)
+        batch = _batch(sample, rank).to(device)
+        eager = shard(copy.deepcopy(model))
+        eager_peak = measure_step(_step, eager, batch).peak
+        sharded = shard(copy.deepcopy(model))
+        hooks = _forward_hooks(sharded)
+        planning = measure_step(Rockmate, sharded, sample, BUDGET, profile="estimate")
+        rk = planning.result
+        # Planning leaves the model as FSDP2 made it: sharded, its hooks and forward its own.
+        untouched = (all(isinstance(p, DTensor) for p in sharded.parameters()) and "forward" not in vars(sharded)
+                     and hooks == _forward_hooks(sharded))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            measured = measure_step(_step, rk, batch)
+        results[name] = {"eager": _gradients(eager), "planned": _gradients(rk), "peak": measured.peak,
+                         "replanned": [str(w.message) for w in caught if "planned for" in str(w.message)],
+                         "eager_peak": eager_peak, "budget": rk.budget, "untouched": untouched,
+                         "fsdp_buffers": fsdp_buffer_bytes(rk), "planning_peak": planning.peak,
+                         "sharded_after_step": all(isinstance(p, DTensor) for p in sharded.parameters()),
+                         "schedule": [tuple(op) for op in rk.schedule.ops], "recomputes": _recomputes(rk),
+                         "recomputed_reading_blocks": _recomputed_reading(rk, "model.transformer.h.")}
+        # A shorter input is planned inside its step, within the root's forward.
+        for module in (eager, rk):
+            module.zero_grad()
+        with pytest.warns(UserWarning, match="planned for a new input"):
+            _step(rk, batch[:, : batch.shape[1] // 2])
+        _step(eager, batch[:, : batch.shape[1] // 2])
+        results[name + ", shorter input"] = {"eager": _gradients(eager), "planned": _gradients(rk)}
+    return results
+
+
+def _fsdp_ranks_agree(rank: int) -> dict:
+    """Per-block FSDP2 with each rank planning by another solver: the ranks must still run one
+    schedule, since the generated code gathers a block where its plan first reads it."""
+    model, sample = _gpt_with_loss()
+    batch = _batch(sample, rank)
+    eager = _shard_blocks(copy.deepcopy(model))
+    _step(eager, batch)
+    solver = "rockmate" if rank == 0 else "dtr"
+    rk = Rockmate(_shard_blocks(copy.deepcopy(model)), sample, BUDGET, profile="estimate", solver=solver)
+    _step(rk, batch)
+    alone = Rockmate(copy.deepcopy(model), sample, BUDGET, profile="estimate", solver=solver)  # unsharded
+    return {"eager": _gradients(eager), "planned": _gradients(rk), "schedule": [tuple(op) for op in rk.schedule.ops],
+            "alone": [tuple(op) for op in alone.schedule.ops]}
+
+
+def _recomputed_reading(rk: Rockmate, prefix: str) -> list[str]:
+    """Nodes the plan computes more than once that read a parameter whose name starts with `prefix`."""
+    primals = [n.name for n in rk.plan.joint.module.graph.find_nodes(op="placeholder") if not is_tangent(n)]
+    names = dict(zip(primals, rk.plan.joint.input_names))
+    computed = [op.name for op in rk.schedule.ops if op.kind == "compute"]
+    return sorted({n for n in computed if computed.count(n) > 1
+                   and any(names.get(d, "").startswith(prefix) for d in rk.graph.node(n).inputs)})
+
+
+def _forward_hooks(model: nn.Module) -> dict[str, tuple[dict, dict]]:
+    return {path: (dict(m._forward_pre_hooks), dict(m._forward_hooks)) for path, m in model.named_modules()}
+
+
 def _refusals(rank: int) -> dict:
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -116,8 +200,8 @@ def _refusals(rank: int) -> dict:
     messages = {}
     wrapped = {
         "Rockmate(DDP(model))": lambda m: DDP(m),
-        "Rockmate(fully_shard(model))": lambda m: fully_shard(m),
-        "fully_shard per block, then Rockmate": lambda m: [fully_shard(b) for b in m.model.transformer.h] and m,
+        "fully_shard on the blocks only, then Rockmate": lambda m: [fully_shard(b) for b in m.model.transformer.h]
+        and m,
     }
     for order, wrap in wrapped.items():
         model, sample = _gpt_with_loss()
@@ -173,16 +257,20 @@ def _recomputes(rk: Rockmate) -> int:
     return len(computed) - len(set(computed))
 
 
-SCENARIOS = {"ddp": _ddp, "fsdp": _fsdp, "refusals": _refusals, "collective": _collective_in_forward}
+SCENARIOS = {"ddp": _ddp, "fsdp": _fsdp, "fsdp_first": _fsdp_then_rockmate, "fsdp_agree": _fsdp_ranks_agree,
+             "refusals": _refusals,
+             "collective": _collective_in_forward}
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+def _worker(rank: int, port: int, out: str, backend: str = "gloo", scenarios: dict | None = None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=WORLD)
     torch.set_num_threads(1)  # two ranks share the machine's cores
     results = {}
     try:
-        for name, scenario in SCENARIOS.items():
+        for name, scenario in (scenarios or SCENARIOS).items():
             try:
                 results[name] = scenario(rank)
             except Exception:  # reported by the scenario's test, the others still run
@@ -238,8 +326,41 @@ def test_fully_shard_of_rockmate_matches_eager_fsdp2_within_budget(ranks: list[d
 def test_engines_inside_rockmate_are_refused_with_the_order_that_works(ranks: list[dict]) -> None:
     messages = _scenario(ranks, "refusals")[0]
     assert "DDP(Rockmate(model" in messages["Rockmate(DDP(model))"]
-    assert "fully_shard(Rockmate(model" in messages["Rockmate(fully_shard(model))"]
-    assert "fully_shard(Rockmate(model" in messages["fully_shard per block, then Rockmate"]
+    assert "fully_shard(model); Rockmate(model" in messages["fully_shard on the blocks only, then Rockmate"]
+
+
+@pytest.mark.parametrize("sharding", ["blocks", "root"])
+def test_rockmate_of_fsdp2_matches_eager_fsdp2_within_budget(ranks: list[dict], sharding: str) -> None:
+    """`fully_shard` on each block and then on the model (torchtitan's order), or on the model
+    alone, then Rockmate: eager FSDP2's gradients, and the step within the budget plus FSDP2's
+    gathered parameters and buffers (`fsdp_buffer_bytes`, README)."""
+    results = [r[sharding] for r in _scenario(ranks, "fsdp_first")]
+    _assert_same_gradients(results)
+    assert results[0]["schedule"] == results[1]["schedule"]
+    for rank, r in enumerate(results):
+        # Recomputed in the backward from a block's parameters: after the block is gathered again.
+        assert r["recomputed_reading_blocks"], "the budget is tight enough to make the plan recompute in a block"
+        assert r["untouched"] and r["sharded_after_step"]
+        assert not r["replanned"], "the step runs the plan made at construction"
+        # Planning traces on the whole shapes with one group gathered at a time, within the budget.
+        assert r["planning_peak"] <= r["budget"], f"rank {rank}: planning peaked at {r['planning_peak']}"
+        assert r["peak"] <= r["budget"] + r["fsdp_buffers"], (
+            f"rank {rank}: peak {r['peak']} > budget {r['budget']} + FSDP2's buffers {r['fsdp_buffers']}")
+        print(f"rank {rank}: FSDP2 ({sharding}) then Rockmate",
+              {k: v for k, v in r.items() if k not in ("eager", "planned", "schedule")})
+
+
+@pytest.mark.parametrize("sharding", ["blocks", "root"])
+def test_rockmate_of_fsdp2_plans_a_new_input_inside_the_step(ranks: list[dict], sharding: str) -> None:
+    _assert_same_gradients([r[sharding + ", shorter input"] for r in _scenario(ranks, "fsdp_first")])
+
+
+def test_ranks_run_rank_0s_plan_under_per_block_fsdp2(ranks: list[dict]) -> None:
+    results = _scenario(ranks, "fsdp_agree")
+    # Rank 1's solver alone plans otherwise; sharded, it runs the plan rank 0 made.
+    assert results[1]["alone"] != results[0]["schedule"]
+    assert results[0]["schedule"] == results[1]["schedule"]
+    _assert_same_gradients(results)
 
 
 def test_collectives_in_the_forward_run_once(ranks: list[dict]) -> None:
@@ -280,3 +401,23 @@ def test_record_function_in_forward_is_planned_and_matches_eager() -> None:
         assert torch.equal(p.grad, q.grad), name
     assert _recomputes(rk) > 0
     assert measured.peak <= rk.budget
+
+
+def _fsdp_then_rockmate_on_cuda(rank: int) -> dict:
+    return _fsdp_then_rockmate(rank, f"cuda:{rank}")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < WORLD
+                    or not dist.is_nccl_available(), reason="needs two CUDA devices and NCCL")
+@pytest.mark.parametrize("sharding", ["blocks", "root"])
+def test_rockmate_of_fsdp2_on_nccl_matches_eager_fsdp2_within_budget(tmp_path: Path, sharding: str) -> None:
+    """The same as on gloo, one GPU per rank over NCCL, peaks read from the CUDA allocator."""
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), "nccl", {"fsdp_first": _fsdp_then_rockmate_on_cuda}),
+             nprocs=WORLD, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    results = [r[sharding] for r in _scenario(ranks, "fsdp_first")]
+    _assert_same_gradients(results)
+    for rank, r in enumerate(results):
+        assert r["peak"] <= r["budget"] + r["fsdp_buffers"], (
+            f"rank {rank}: peak {r['peak']} > budget {r['budget']} + FSDP2's buffers {r['fsdp_buffers']}")
