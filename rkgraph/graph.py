@@ -57,7 +57,7 @@ class ComputeNode:
     backward: bool = False
     time: float = 0.0  # seconds (or arbitrary cost units for imported graphs)
     workspace: int = 0  # temporary bytes during the op (grouped intermediates, kernel scratch)
-    random: bool = False  # draws random numbers that cannot be replayed, or communicates: compute at most once
+    random: bool = False  # draws random numbers that cannot be replayed, communicates, or calls a hook: compute at most once
     rng: bool = False  # draws random numbers; a recomputation replays the recorded RNG state
     rng_state: int = 0  # bytes of the generator states a recomputation replays (with `rng`)
     module: str = ""  # module path in the user's model, "" when unknown

@@ -34,6 +34,7 @@ from rkgraph.capture import (
     training_function,
 )
 from rkgraph.graph import RematGraph
+from rkgraph.hooks import hook_ids, hooks_muted
 from rkgraph.rewrites import apply_rewrites
 from rockplan import progress
 from rockplan.backend import GraphBreaks, GraphPlan
@@ -78,7 +79,8 @@ def _signature(model: nn.Module, args: tuple, kwargs: dict) -> tuple:
     the inputs' structure, shapes, dtypes and devices; the parameters'; every submodule's
     train/eval mode (dropout and BatchNorm trace differently in each: a plan made in eval mode,
     as `from_pretrained` returns models, must not run after `train()`); autocast per device
-    type of the tensors, with its dtype. Grad mode needs no key: without it there is no
+    type of the tensors, with its dtype; the module hooks registered (the step calls those it
+    was traced with, `rkgraph.hooks`). Grad mode needs no key: without it there is no
     backward, and `forward` runs the plain model."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     described = tuple(
@@ -87,7 +89,7 @@ def _signature(model: nn.Module, args: tuple, kwargs: dict) -> tuple:
     )
     parameters = tuple((p.dtype, p.device, p.requires_grad) for p in model.parameters())
     modes = tuple(m.training for m in model.modules())
-    return (str(spec), described, parameters, modes, autocast_state())
+    return (str(spec), described, parameters, modes, autocast_state(), hook_ids(model))
 
 
 def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
@@ -277,8 +279,9 @@ class Rockmate(nn.Module):
         budget = step.plan.budget
         planned_for, peaks = budget, []
         for _ in range(INDUCTOR_REFITS + 1):
-            peaks.append(measured_step_peak(step.compiled, flat_tensors(self.model, step.flat, args, kwargs),
-                                            len(step.flat.param_names)))
+            with hooks_muted():  # a measurement, not a training step
+                peaks.append(measured_step_peak(step.compiled, flat_tensors(self.model, step.flat, args, kwargs),
+                                                len(step.flat.param_names)))
             if peaks[-1] <= budget:
                 step.plan = dataclasses.replace(step.plan, budget=budget)
                 return step
@@ -413,4 +416,6 @@ def _describe_difference(planned: tuple, got: tuple) -> str:
                 "Rockmate(...) as for the steps)")
     if planned[4] != got[4]:
         return f"autocast: planned under {planned[4] or 'none'}, called under {got[4] or 'none'}"
+    if planned[5] != got[5]:
+        return "module hooks were added or removed"
     return "parameters changed dtype, device or requires_grad"

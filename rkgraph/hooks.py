@@ -1,0 +1,351 @@
+"""Module hooks in a captured step: run in every step, with real tensors, not while planning.
+
+A hook the user registered on a module (`register_forward_pre_hook`, `register_forward_hook`,
+with or without `with_kwargs`, the global `register_module_forward_pre_hook` and
+`register_module_forward_hook`, and full backward hooks and pre-hooks) runs in Python when the
+module is called. AOTAutograd calls it while it traces the step on fake tensors, twice, and
+never again: the planned step runs the traced graph, not the modules. What it computes into
+tensors is in the graph; its Python side effects (a counter, a list of recorded activations,
+a print, a logged statistic) would happen only while planning.
+
+So a hook whose code returns nothing is not called while tracing. In its place the trace
+records `rockplan::call_hook(id, tensors, after)`: an op with a side effect, kept through
+dead-code elimination, flagged to run once (never recomputed, as collectives are:
+`rkgraph.build`), that calls the hook in every step with the real tensors rebuilt into the
+structure the hook was given (the pytree spec recorded while tracing). Each call takes the
+token the previous call returned, so hooks run in eager's order whatever order the schedule
+gives the rest of the step; a call runs in the forward (the backward, for a backward hook)
+where its tensors are alive, and holds nothing the schedule does not already hold.
+
+What a hook sees: the values eager's hook sees, without autograd history (the planned
+forward runs under no_grad, as every AOTAutograd forward does): `requires_grad` is False,
+`grad_fn` None, and `register_hook` on them fails. A hook that keeps a tensor keeps it
+alive beyond the plan, as in eager.
+
+A hook whose code returns a value (`return out * 2`) changes the step's tensors: it is traced
+as before, its tensor effect applies in every step, gradients included, and its Python side
+effects happen only while tracing (planning warns, naming it). Hooks from torch itself
+(pruning, weight and spectral normalization, FSDP) compute tensors they set on the module
+and are traced. Which kind a hook is, is read from its code (`returns_value`), never by
+calling it on fake tensors: planning runs no hook and changes no hook's state. What its code
+cannot tell (a lambda whose body is a call, a builtin) is taken for a side effect and checked
+in each step: a hook run as a side effect that returns a value, changes its tensors in place,
+or sets a tensor on its module's state before the module runs (a pre-hook), raises an error
+that names it, never a silent difference from eager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dis
+import functools
+import inspect
+import itertools
+import types
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.modules.module as module_globals
+import torch.utils._pytree as pytree
+from torch import fx, nn
+
+
+class HookError(RuntimeError):
+    """A hook run in a planned step did what rockplan cannot run as planned; the message says what to do."""
+
+
+@dataclass(eq=False)
+class HookCall:
+    """One hook of one module, run in each step by `rockplan::call_hook`."""
+
+    id: int
+    hook: Callable
+    module: nn.Module | None  # the module hooked; None for a tensor's hook (called without one)
+    kind: str  # "forward_pre", "forward", "backward_pre", "backward" or "tensor"
+    name: str  # for messages: where it is registered and what it is
+    # How the hook's arguments after the module are flattened: their spec, and the non-tensor
+    # leaves as traced (tensor positions hold None); recorded at the trace.
+    spec: pytree.TreeSpec | None = None
+    leaves: list[Any] = field(default_factory=list)
+    tensor_positions: list[int] = field(default_factory=list)
+
+    def record(self, hook_args: tuple) -> list[torch.Tensor]:
+        """Remember the structure of `hook_args`; their tensors, in order."""
+        from rkgraph.capture import _register_dataclasses
+
+        _register_dataclasses(hook_args)
+        leaves, self.spec = pytree.tree_flatten(hook_args)
+        self.tensor_positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        self.leaves = [None if isinstance(x, torch.Tensor) else _usable(x) for x in leaves]
+        return [leaves[i] for i in self.tensor_positions]
+
+    def run(self, tensors: list[torch.Tensor]) -> None:
+        leaves = list(self.leaves)
+        for i, t in zip(self.tensor_positions, tensors, strict=True):
+            leaves[i] = t
+        hook_args = pytree.tree_unflatten(leaves, self.spec)
+        versions = [t._version for t in tensors]
+        state = _tensor_state(self.module) if self.kind == "forward_pre" else None
+        result = self.hook(*hook_args) if self.module is None else self.hook(self.module, *hook_args)
+        if result is not None:
+            raise HookError(
+                f"{self.name} returned a value in a planned step. Its code did not show that it does (a lambda "
+                "whose body is a call, or a builtin), so rockplan runs it as a side effect, after the step's "
+                "tensors are computed. Write it as a def that returns the value by name (out = ...; return out): "
+                "it is then traced into the step, and what it returns applies.")
+        if any(t._version != v for t, v in zip(tensors, versions)):
+            raise HookError(
+                f"{self.name} changed a tensor it was given in place in a planned step. Its code returns "
+                "nothing, so rockplan runs it as a side effect on the step's values; the change would not "
+                "reach the step. Return the changed value instead (return out * 2, not out.mul_(2)): it is "
+                "then traced into the step.")
+        if state is not None and _tensor_state(self.module) != state:
+            raise HookError(
+                f"{self.name} set a tensor on its module before the module ran, in a planned step. Its code "
+                "returns nothing, so rockplan runs it as a side effect after tracing the module without it. "
+                "Use torch.nn.utils.parametrize for a computed weight, or return the new inputs from the hook.")
+
+
+# Calls by id, held by whoever holds the captured step (`FlatCall.hook_calls`): a step
+# dropped takes its calls with it.
+_CALLS: weakref.WeakValueDictionary[int, HookCall] = weakref.WeakValueDictionary()
+_ids = itertools.count()
+_muted = 0  # > 0 while planning replays the step on real tensors (profiling, measuring)
+
+
+@contextlib.contextmanager
+def hooks_muted() -> Iterator[None]:
+    """Run no hook while the step is replayed to be measured, not to train."""
+    global _muted
+    _muted += 1
+    try:
+        yield
+    finally:
+        _muted -= 1
+
+
+def _token(like: list[torch.Tensor], after: torch.Tensor | None) -> torch.Tensor:
+    device = like[0].device if like else after.device if after is not None else torch.device("cpu")
+    return torch.empty(0, device=device)
+
+
+@torch.library.custom_op("rockplan::call_hook", mutates_args=())
+def call_hook(hook: int, tensors: list[torch.Tensor], after: torch.Tensor | None) -> torch.Tensor:
+    """Call hook `hook` with `tensors`, after the call that returned `after`; returns the token
+    the next call takes (no data: its order is all it carries)."""
+    if not _muted:
+        _CALLS[hook].run(tensors)
+    return _token(tensors, after)
+
+
+@call_hook.register_fake
+def _(hook: int, tensors: list[torch.Tensor], after: torch.Tensor | None) -> torch.Tensor:
+    return _token(tensors, after)
+
+
+CALL_HOOK = torch.ops.rockplan.call_hook.default
+fx.node.has_side_effect(CALL_HOOK)
+
+
+def is_hook_call(node: fx.Node) -> bool:
+    """Whether the node calls a user's hook: it runs once, in its place (see the module docstring)."""
+    return node.op == "call_function" and node.target is CALL_HOOK
+
+
+# --- which hooks run in steps ---------------------------------------------------------------------
+
+def _code(hook: Callable) -> tuple[types.CodeType | None, str]:
+    """The code object a hook runs, and the module that defines it."""
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    if isinstance(hook, types.MethodType):
+        hook = hook.__func__
+    if not isinstance(hook, (types.FunctionType, types.BuiltinFunctionType)):
+        call = inspect.getattr_static(type(hook), "__call__", None)  # a callable object's, if Python
+        if isinstance(call, types.FunctionType):
+            hook = call
+    code = getattr(hook, "__code__", None)
+    return (code if isinstance(code, types.CodeType) else None), getattr(hook, "__module__", None) or ""
+
+
+def returns_value(hook: Callable) -> bool | None:
+    """Whether the hook's code returns a value: False when every return returns None; True
+    when one returns something else; None when its code cannot tell (a lambda whose body is a
+    call, as `lambda m, args, out: seen.append(out)`, or a callable without Python code)."""
+    code, _ = _code(hook)
+    if code is None:
+        return None
+    instructions = list(dis.get_instructions(code))
+    sites = []  # per return: None (returns None), "call" (a call's result) or "value"
+    for before, ins in zip([None, *instructions], instructions):
+        if ins.opname == "RETURN_CONST":
+            sites.append(None if ins.argval is None else "value")
+        elif ins.opname == "RETURN_VALUE":
+            if before is not None and before.opname == "LOAD_CONST" and before.argval is None:
+                sites.append(None)
+            elif before is not None and before.opname.startswith(("CALL", "PRECALL")):
+                sites.append("call")
+            else:
+                sites.append("value")
+    if "value" in sites:
+        return True
+    if "call" in sites:
+        return True if code.co_name != "<lambda>" else None
+    return False
+
+
+def runs_in_steps(hook: Callable) -> bool:
+    """Whether the hook runs in each step as a side effect (else it is traced): see the module docstring."""
+    _, module = _code(hook)
+    if module == "torch" or module.startswith("torch."):
+        return False
+    return not returns_value(hook)
+
+
+def describe(hook: Callable, where: str, kind: str) -> str:
+    """'the forward hook `record` (file.py:12) of layers.0'"""
+    code, _ = _code(hook)
+    name = getattr(hook, "__qualname__", None) or type(hook).__qualname__
+    at = f" ({code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno})" if code is not None else ""
+    return f"the {kind.replace('_', ' ')} hook `{name}`{at} of {where}"
+
+
+def _usable(leaf: Any) -> Any:
+    """A non-tensor argument as the hook gets it in each step: a transformers key/value cache
+    holds the trace's tensors, unusable after it, and a planned step returns none (None)."""
+    import sys
+
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    return None if cache_utils is not None and isinstance(leaf, cache_utils.Cache) else leaf
+
+
+def _tensor_state(module: nn.Module) -> dict[str, int]:
+    """The identity of every tensor the module holds itself (parameters, buffers, attributes)."""
+    found = {name: id(v) for name, v in vars(module).items() if isinstance(v, torch.Tensor)}
+    found.update((name, id(v)) for name, v in itertools.chain(module._parameters.items(), module._buffers.items()))
+    return found
+
+
+# --- capture: hooks replaced by calls while tracing ------------------------------------------------
+
+_KINDS = (  # module attribute, global dict, kind
+    ("_forward_pre_hooks", "_global_forward_pre_hooks", "forward_pre"),
+    ("_forward_hooks", "_global_forward_hooks", "forward"),
+    ("_backward_pre_hooks", "_global_backward_pre_hooks", "backward_pre"),
+    ("_backward_hooks", "_global_backward_hooks", "backward"),
+)
+
+
+def hook_ids(model: nn.Module) -> tuple:
+    """The handles of every module hook `model` and the global registries hold: a plan was
+    traced with these hooks, and runs those only."""
+    kinds = [attr for attr, _, _ in _KINDS]
+    local = tuple(tuple(tuple(getattr(m, attr)) for attr in kinds) for m in model.modules())
+    return local, tuple(tuple(getattr(module_globals, attr)) for _, attr, _ in _KINDS)
+
+
+@dataclass
+class HookChain:
+    """The calls made for a model's hooks, and the token of the last call traced (the next
+    call takes it, so calls keep eager's order)."""
+
+    calls: list[HookCall] = field(default_factory=list)
+    traced: list[tuple[str, str, Callable]] = field(default_factory=list)  # (where, kind, hook) left traced
+    last: torch.Tensor | None = None
+
+    def restart(self) -> None:
+        """AOTAutograd traces the forward more than once: each trace starts a new chain."""
+        self.last = None
+
+    def add(self, call: HookCall) -> HookCall:
+        """Hold `call` (the registry holds it only while the chain does) and register its id."""
+        self.calls.append(call)
+        _CALLS[call.id] = call
+        return call
+
+    def emit(self, call: HookCall, hook_args: tuple) -> None:
+        tensors = call.record(hook_args)
+        with torch.no_grad():  # the call has no gradient: it only reads
+            self.last = CALL_HOOK(call.id, tensors, self.last)
+
+
+@contextlib.contextmanager
+def hooks_as_calls(model: nn.Module, chain: HookChain) -> Iterator[None]:
+    """While tracing `model`, replace each hook that `runs_in_steps` by one recording its call
+    in the graph; the hooks are put back on exit, the model as it was."""
+    replaced: list[tuple[dict, int, Callable]] = []
+
+    def replace(hooks: dict, where: str, kind: str, module: nn.Module | None) -> None:
+        if kind == "backward" and hooks and module is not None and module._is_full_backward_hook is False:
+            return  # register_backward_hook's (not full) hooks: autograd calls them on grad_fn
+        for hook_id, hook in list(hooks.items()):
+            if not runs_in_steps(hook):
+                chain.traced.append((where, kind, hook))
+                continue
+            call = chain.add(HookCall(next(_ids), hook, module, kind, describe(hook, where, kind)))
+            hooks[hook_id] = _stand_in(chain, call, module is None)
+            replaced.append((hooks, hook_id, hook))
+
+    for module_attr, global_attr, kind in _KINDS:
+        for name, sub in model.named_modules():
+            replace(getattr(sub, module_attr), name or type(model).__name__, kind, sub)
+        replace(getattr(module_globals, global_attr), "every module (global)", kind, None)
+    register_hook = torch.Tensor.register_hook
+    stand_ins: set[Callable] = set()
+
+    def register_tensor_hook(tensor: torch.Tensor, hook: Callable) -> Any:
+        """A gradient hook the forward registers on a tensor, called by the traced backward."""
+        where = f"a tensor in {type(model).__name__}'s forward"
+        if hook in stand_ins:  # a tensor subclass's register_hook calls Tensor.register_hook again
+            return register_hook(tensor, hook)
+        if not runs_in_steps(hook):
+            chain.traced.append((where, "tensor", hook))
+            return register_hook(tensor, hook)
+        call = chain.add(HookCall(next(_ids), hook, None, "tensor", describe(hook, where, "tensor")))
+        def stand_in(grad: torch.Tensor) -> None:
+            chain.emit(call, (grad,))
+
+        stand_ins.add(stand_in)
+        return register_hook(tensor, stand_in)
+
+    torch.Tensor.register_hook = register_tensor_hook
+    try:
+        yield
+    finally:
+        torch.Tensor.register_hook = register_hook
+        for hooks, hook_id, hook in replaced:
+            hooks[hook_id] = hook
+
+
+def _stand_in(chain: HookChain, call: HookCall, is_global: bool) -> Callable:
+    """What the module calls in the hook's place while tracing: records the call, returns None."""
+
+    def stand_in(module: nn.Module, *hook_args: Any) -> None:
+        if is_global:  # one global hook, a call per module it sees
+            chain.emit(chain.add(HookCall(next(_ids), call.hook, module, call.kind,
+                                          call.name.replace("every module (global)", type(module).__name__))),
+                       hook_args)
+        else:
+            chain.emit(call, hook_args)
+
+    return stand_in
+
+
+def warn_of_traced_hooks(model: nn.Module, chain: HookChain, stacklevel: int) -> None:
+    """Name the hooks left traced, whose Python side effects run only while planning."""
+    shown = [describe(hook, where, kind) for where, kind, hook in chain.traced
+             if not (_code(hook)[1] == "torch" or _code(hook)[1].startswith("torch."))]
+    if not shown:
+        return
+    listed = "; ".join(shown[:5]) + (f" and {len(shown) - 5} more" if len(shown) > 5 else "")
+    warnings.warn(
+        f"{type(model).__name__}: {listed} returns a value, so it is traced into the planned step: what it "
+        "returns applies in every step, gradients included, but its Python side effects (counters, recorded "
+        "tensors, prints) happen only while planning, on traced tensors, not in each step. A hook that returns "
+        "nothing runs in each step with the step's values: keep side effects in such hooks.",
+        stacklevel=stacklevel,
+    )
