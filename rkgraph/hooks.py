@@ -72,10 +72,15 @@ class HookCall:
     spec: pytree.TreeSpec | None = None
     leaves: list[Any] = field(default_factory=list)
     tensor_positions: list[int] = field(default_factory=list)
+    # A pre-hook's module's plain tensor attributes when traced: its forward may read them.
+    read_by_forward: tuple[str, ...] = ()
 
     def record(self, hook_args: tuple) -> list[torch.Tensor]:
         """Remember the structure of `hook_args`; their tensors, in order."""
         from rkgraph.capture import _register_dataclasses
+
+        if self.kind == "forward_pre":
+            self.read_by_forward = tuple(n for n, v in vars(self.module).items() if isinstance(v, torch.Tensor))
 
         _register_dataclasses(hook_args)
         leaves, self.spec = pytree.tree_flatten(hook_args)
@@ -89,7 +94,7 @@ class HookCall:
             leaves[i] = t
         hook_args = pytree.tree_unflatten(leaves, self.spec)
         versions = [t._version for t in tensors]
-        state = _tensor_state(self.module) if self.kind == "forward_pre" else None
+        state = self._module_tensors() if self.kind == "forward_pre" else None
         result = self.hook(*hook_args) if self.module is None else self.hook(self.module, *hook_args)
         if result is not None:
             raise HookError(
@@ -103,15 +108,24 @@ class HookCall:
                 "nothing, so rockplan runs it as a side effect on the step's values; the change would not "
                 "reach the step. Return the changed value instead (return out * 2, not out.mul_(2)): it is "
                 "then traced into the step.")
-        if state is not None and _tensor_state(self.module) != state:
+        if state is not None and self._module_tensors() != state:
             raise HookError(
                 f"{self.name} set a tensor on its module before the module ran, in a planned step. Its code "
                 "returns nothing, so rockplan runs it as a side effect after tracing the module without it. "
                 "Use torch.nn.utils.parametrize for a computed weight, or return the new inputs from the hook.")
 
+    def _module_tensors(self) -> list[tuple[str, int]]:
+        """The identity of the tensors a pre-hook could hand the module's traced forward: its
+        parameters and buffers, and the tensor attributes it had when traced (a new attribute,
+        as a hook recording its inputs sets, is no input of the traced forward)."""
+        module = self.module
+        named = itertools.chain(module._parameters.items(), module._buffers.items(),
+                                ((n, getattr(module, n, None)) for n in self.read_by_forward))
+        return [(n, id(v)) for n, v in named]
 
-# Calls by id, held by whoever holds the captured step (`FlatCall.hook_calls`): a step
-# dropped takes its calls with it.
+
+# Calls by id, held by the chain of the captured step (`FlatCall.hooks`): a step dropped
+# takes its calls with it.
 _CALLS: weakref.WeakValueDictionary[int, HookCall] = weakref.WeakValueDictionary()
 _ids = itertools.count()
 _muted = 0  # > 0 while planning replays the step on real tensors (profiling, measuring)
@@ -223,13 +237,6 @@ def _usable(leaf: Any) -> Any:
     return None if cache_utils is not None and isinstance(leaf, cache_utils.Cache) else leaf
 
 
-def _tensor_state(module: nn.Module) -> dict[str, int]:
-    """The identity of every tensor the module holds itself (parameters, buffers, attributes)."""
-    found = {name: id(v) for name, v in vars(module).items() if isinstance(v, torch.Tensor)}
-    found.update((name, id(v)) for name, v in itertools.chain(module._parameters.items(), module._buffers.items()))
-    return found
-
-
 # --- capture: hooks replaced by calls while tracing ------------------------------------------------
 
 _KINDS = (  # module attribute, global dict, kind
@@ -250,64 +257,68 @@ def hook_ids(model: nn.Module) -> tuple:
 
 @dataclass
 class HookChain:
-    """The calls made for a model's hooks, and the token of the last call traced (the next
-    call takes it, so calls keep eager's order)."""
+    """The calls recorded for a model's hooks, and the token of the last one (the next call
+    takes it, so calls keep eager's order)."""
 
     calls: list[HookCall] = field(default_factory=list)
     traced: list[tuple[str, str, Callable]] = field(default_factory=list)  # (where, kind, hook) left traced
     last: torch.Tensor | None = None
 
     def restart(self) -> None:
-        """AOTAutograd traces the forward more than once: each trace starts a new chain."""
+        """AOTAutograd traces the forward more than once, the last trace making the graph:
+        each trace starts a new chain."""
+        self.calls.clear()
         self.last = None
 
-    def add(self, call: HookCall) -> HookCall:
-        """Hold `call` (the registry holds it only while the chain does) and register its id."""
-        self.calls.append(call)
-        _CALLS[call.id] = call
-        return call
-
-    def emit(self, call: HookCall, hook_args: tuple) -> None:
+    def emit(self, hook: Callable, module: nn.Module | None, kind: str, name: str, hook_args: tuple) -> None:
+        """Record a call of `hook` with `hook_args` in the graph (one per call: a module called
+        twice calls its hooks twice, maybe on arguments of another structure)."""
+        call = HookCall(next(_ids), hook, module, kind, name)
         tensors = call.record(hook_args)
+        self.calls.append(call)  # the registry holds it only while the chain does
+        _CALLS[call.id] = call
         with torch.no_grad():  # the call has no gradient: it only reads
             self.last = CALL_HOOK(call.id, tensors, self.last)
 
 
 @contextlib.contextmanager
 def hooks_as_calls(model: nn.Module, chain: HookChain) -> Iterator[None]:
-    """While tracing `model`, replace each hook that `runs_in_steps` by one recording its call
-    in the graph; the hooks are put back on exit, the model as it was."""
+    """While tracing `model`, replace each hook that `runs_in_steps` by a stand-in recording
+    its call in the graph; the hooks are put back on exit, the model as it was."""
     replaced: list[tuple[dict, int, Callable]] = []
 
-    def replace(hooks: dict, where: str, kind: str, module: nn.Module | None) -> None:
+    def replace(hooks: dict, where: str | None, kind: str, module: nn.Module | None) -> None:
         if kind == "backward" and hooks and module is not None and module._is_full_backward_hook is False:
-            return  # register_backward_hook's (not full) hooks: autograd calls them on grad_fn
+            chain.traced += [(where, "backward (not full)", hook) for hook in hooks.values()]
+            return  # register_backward_hook's hooks: autograd calls them on a grad_fn
         for hook_id, hook in list(hooks.items()):
             if not runs_in_steps(hook):
-                chain.traced.append((where, kind, hook))
+                chain.traced.append((where or "every module", kind, hook))
                 continue
-            call = chain.add(HookCall(next(_ids), hook, module, kind, describe(hook, where, kind)))
-            hooks[hook_id] = _stand_in(chain, call, module is None)
+
+            def stand_in(module: nn.Module, *hook_args: Any, hook: Callable = hook) -> None:
+                chain.emit(hook, module, kind, describe(hook, where or type(module).__name__, kind), hook_args)
+
+            hooks[hook_id] = stand_in
             replaced.append((hooks, hook_id, hook))
 
     for module_attr, global_attr, kind in _KINDS:
         for name, sub in model.named_modules():
             replace(getattr(sub, module_attr), name or type(model).__name__, kind, sub)
-        replace(getattr(module_globals, global_attr), "every module (global)", kind, None)
+        replace(getattr(module_globals, global_attr), None, kind, None)  # global: named by the module it sees
     register_hook = torch.Tensor.register_hook
     stand_ins: set[Callable] = set()
 
     def register_tensor_hook(tensor: torch.Tensor, hook: Callable) -> Any:
         """A gradient hook the forward registers on a tensor, called by the traced backward."""
         where = f"a tensor in {type(model).__name__}'s forward"
-        if hook in stand_ins:  # a tensor subclass's register_hook calls Tensor.register_hook again
+        if hook in stand_ins or not runs_in_steps(hook):  # a tensor subclass's register_hook comes back here
+            if hook not in stand_ins:
+                chain.traced.append((where, "tensor", hook))
             return register_hook(tensor, hook)
-        if not runs_in_steps(hook):
-            chain.traced.append((where, "tensor", hook))
-            return register_hook(tensor, hook)
-        call = chain.add(HookCall(next(_ids), hook, None, "tensor", describe(hook, where, "tensor")))
+
         def stand_in(grad: torch.Tensor) -> None:
-            chain.emit(call, (grad,))
+            chain.emit(hook, None, "tensor", describe(hook, where, "tensor"), (grad,))
 
         stand_ins.add(stand_in)
         return register_hook(tensor, stand_in)
@@ -319,20 +330,6 @@ def hooks_as_calls(model: nn.Module, chain: HookChain) -> Iterator[None]:
         torch.Tensor.register_hook = register_hook
         for hooks, hook_id, hook in replaced:
             hooks[hook_id] = hook
-
-
-def _stand_in(chain: HookChain, call: HookCall, is_global: bool) -> Callable:
-    """What the module calls in the hook's place while tracing: records the call, returns None."""
-
-    def stand_in(module: nn.Module, *hook_args: Any) -> None:
-        if is_global:  # one global hook, a call per module it sees
-            chain.emit(chain.add(HookCall(next(_ids), call.hook, module, call.kind,
-                                          call.name.replace("every module (global)", type(module).__name__))),
-                       hook_args)
-        else:
-            chain.emit(call, hook_args)
-
-    return stand_in
 
 
 def warn_of_traced_hooks(model: nn.Module, chain: HookChain, stacklevel: int) -> None:

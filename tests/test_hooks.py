@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import prune
 
 from rkgraph.hooks import HookError, returns_value
 from rockplan import Rockmate, zoo
@@ -256,6 +257,66 @@ def test_a_hook_run_as_a_side_effect_that_mutates_or_returns_raises_naming_it() 
     model[2].register_forward_hook(lambda _m, _args, out: torch.relu(out))  # its code cannot tell
     rk = Rockmate(model, (x,), 1.0, solver="store_all")
     with pytest.raises(HookError, match=r"`.*<lambda>`.*returned a value.*Write it as a def"):
+        _step(rk, (x,), {})
+
+
+class _Shared(nn.Module):
+    """One module called twice, on arguments of different structure."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(self.inner(x).tanh() * 2)
+
+
+def test_a_module_called_twice_calls_its_hooks_twice_on_each_calls_values() -> None:
+    torch.manual_seed(0)
+    model, x = _Shared(), torch.randn(4, 8)
+    reference = copy.deepcopy(model)
+    planned, eager = _Recorder(), _Recorder()
+    planned.attach(model, ["inner"])
+    eager.attach(reference, ["inner"])
+    rk = Rockmate(model, (x,), 1.0, solver="store_all")
+    _step(rk, (x,), {})
+    _step(reference, (x,), {})
+    assert len(planned.seen) == 6
+    _assert_recorded_alike(planned, eager)
+
+
+def test_pruning_hooks_from_torch_stay_traced_and_keep_eagers_gradients() -> None:
+    model, x = _mlp()
+    reference = copy.deepcopy(model)
+    for m in (model, reference):  # L1 pruning is deterministic
+        prune.l1_unstructured(m[2], "weight", amount=0.5)  # a pre-hook setting weight
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's own hooks are not the user's side effects
+        rk = Rockmate(model, (x,), 1.0, solver="store_all")
+    torch.testing.assert_close(_step(rk, (x,), {}), _step(reference, (x,), {}))
+    _assert_same_gradients(model, reference)
+
+
+def test_a_pre_hook_may_record_onto_its_module_but_not_replace_its_weight() -> None:
+    model, x = _mlp()
+
+    def remember_input(m: nn.Module, args: tuple) -> None:
+        m.last_input = args[0].detach()
+
+    model[2].register_forward_pre_hook(remember_input)
+    rk = Rockmate(model, (x,), 1.0, solver="store_all")
+    for _ in range(2):
+        _step(rk, (x,), {})
+    assert torch.equal(model[2].last_input, model[1](model[0](x)).detach())
+
+    model, x = _mlp()
+
+    def scaled_weight(m: nn.Module, _args: tuple) -> None:
+        m.weight = nn.Parameter(m.weight.detach() * 2)
+
+    model[2].register_forward_pre_hook(scaled_weight)
+    rk = Rockmate(model, (x,), 1.0, solver="store_all")
+    with pytest.raises(HookError, match=r"`.*scaled_weight`.*of 2 set a tensor on its module.*parametrize"):
         _step(rk, (x,), {})
 
 
