@@ -140,6 +140,8 @@ class Rockmate(nn.Module):
     budget there: give the largest input as the sample, and smaller ones are captured but not
     solved (they recompute what a plan of their own might keep). The `max_plans` most recently used
     plans are held; older ones are dropped and made again if their input comes back.
+    The model's hooks run in each step as in eager, on values without autograd history, never
+    while planning; a hook that returns a value is traced into the step (`rkgraph.hooks`).
     Pickling (`torch.save(rk)`, `copy.deepcopy`) keeps the model and how to plan, not the plans
     (their steps are compiled closures): they are made again at the first training step.
     """
