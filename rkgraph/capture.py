@@ -33,7 +33,7 @@ from torch._functorch.partitioners import default_partition
 from torch._subclasses import FakeTensor, FakeTensorMode
 from torch.func import functional_call
 
-from rkgraph.hooks import HookChain, hooks_as_calls, hooks_muted, warn_of_traced_hooks
+from rkgraph.hooks import HookChain, hooks_as_calls, warn_of_traced_hooks
 
 log = logging.getLogger(__name__)
 
@@ -399,7 +399,6 @@ def trace(
         preserved_rng(),  # ops with no tensor inputs run for real in the fake forward, draws included
         _native_kernels() if native_kernels else contextlib.nullcontext(),
         _side_effects_kept(),
-        hooks_muted(),  # planning replays the step on real tensors to time it: no hook runs then
         hooks_as_calls(model, flat.hooks),  # before the annotations' own hooks are added
         _module_path_annotations(model),
         fx_traceback.preserve_node_meta(),

@@ -288,9 +288,6 @@ def hooks_as_calls(model: nn.Module, chain: HookChain) -> Iterator[None]:
     replaced: list[tuple[dict, int, Callable]] = []
 
     def replace(hooks: dict, where: str | None, kind: str, module: nn.Module | None) -> None:
-        if kind == "backward" and hooks and module is not None and module._is_full_backward_hook is False:
-            chain.traced += [(where, "backward (not full)", hook) for hook in hooks.values()]
-            return  # register_backward_hook's hooks: autograd calls them on a grad_fn
         for hook_id, hook in list(hooks.items()):
             if not runs_in_steps(hook):
                 chain.traced.append((where or "every module", kind, hook))

@@ -116,8 +116,8 @@ def test_counters_read_the_number_of_steps_within_the_budget() -> None:
             module.register_forward_pre_hook(
                 lambda _m, _a, path=path, count=count: count.__setitem__(path, count.get(path, 0) + 1))
     probe = Rockmate(copy.deepcopy(model), (args, kwargs), 1.0, solver="store_all", profile="estimate")
-    rk = Rockmate(model, (args, kwargs), min_feasible_budget(probe.graph), profile="estimate")
-    assert counts[0] == {}  # planning, measuring its profile included, ran no hook
+    rk = Rockmate(model, (args, kwargs), min_feasible_budget(probe.graph))
+    assert counts[0] == {}  # planning, its profile's replays of the step included, ran no hook
     for _ in range(3):
         planned = measure_step(_step, rk, args, kwargs)
         assert planned.peak <= rk.budget, f"measured {planned.peak} B over budget {rk.budget} B"
@@ -179,6 +179,7 @@ def test_a_side_effect_hook_after_a_replacing_hook_sees_the_replaced_output() ->
     torch.testing.assert_close(seen[0], seen[1])
 
 
+@pytest.mark.filterwarnings("ignore:Using a non-full backward hook:FutureWarning")
 def test_backward_hooks_run_in_each_backward_as_in_eager() -> None:
     model, x = _mlp()
     reference = copy.deepcopy(model)
@@ -188,12 +189,15 @@ def test_backward_hooks_run_in_each_backward_as_in_eager() -> None:
             lambda _m, gin, gout, log=log: log.append(("backward", [gin[0].clone(), gout[0].clone()])))
         m[3].register_full_backward_pre_hook(lambda _m, gout, log=log: log.append(("backward pre", [gout[0].clone()])))
         m[1].register_forward_hook(lambda _m, _a, out, log=log: log.append(("forward", [out.clone()])))
+        # not full: called on the grad_fn of the module's output, as in eager
+        m[4].register_backward_hook(lambda _m, gin, gout, log=log: log.append(
+            ("not full", [g.clone() for g in (*gin, *gout) if g is not None])))
     rk = Rockmate(model, (x,), 1.0, solver="store_all")
     assert logs[0] == []
     for _ in range(2):
         _step(rk, (x,), {})
         _step(reference, (x,), {})
-    assert [n for n, _ in logs[0]] == [n for n, _ in logs[1]] == ["forward", "backward pre", "backward"] * 2
+    assert [n for n, _ in logs[0]] == [n for n, _ in logs[1]] == ["forward", "not full", "backward pre", "backward"] * 2
     for (name, got), (_, expected) in zip(*logs):
         for a, b in zip(got, expected):
             torch.testing.assert_close(a, b, msg=name)
