@@ -220,12 +220,16 @@ def runs_in_steps(hook: Callable) -> bool:
     return not returns_value(hook)
 
 
+_KIND_LABELS = {"forward_pre": "forward pre-hook", "forward": "forward hook", "backward_pre": "backward pre-hook",
+                "backward": "backward hook", "tensor": "gradient hook"}
+
+
 def describe(hook: Callable, where: str, kind: str) -> str:
     """'the forward hook `record` (file.py:12) of layers.0'"""
     code, _ = _code(hook)
-    name = getattr(hook, "__qualname__", None) or type(hook).__qualname__
+    name = (getattr(hook, "__qualname__", None) or type(hook).__qualname__).rsplit("<locals>.", 1)[-1]
     at = f" ({code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno})" if code is not None else ""
-    return f"the {kind.replace('_', ' ')} hook `{name}`{at} of {where}"
+    return f"the {_KIND_LABELS[kind]} `{name}`{at} of {where}"
 
 
 def _usable(leaf: Any) -> Any:
@@ -337,9 +341,9 @@ def warn_of_traced_hooks(model: nn.Module, chain: HookChain, stacklevel: int) ->
         return
     listed = "; ".join(shown[:5]) + (f" and {len(shown) - 5} more" if len(shown) > 5 else "")
     warnings.warn(
-        f"{type(model).__name__}: {listed} returns a value, so it is traced into the planned step: what it "
-        "returns applies in every step, gradients included, but its Python side effects (counters, recorded "
-        "tensors, prints) happen only while planning, on traced tensors, not in each step. A hook that returns "
-        "nothing runs in each step with the step's values: keep side effects in such hooks.",
+        f"{type(model).__name__}: hooks that return a value are traced into the planned step: {listed}. What "
+        "they return applies in every step, gradients included, but their Python side effects (counters, "
+        "recorded tensors, prints) happen only while planning, on traced tensors, not in each step. A hook that "
+        "returns nothing runs in each step on the step's values: keep side effects in such hooks.",
         stacklevel=stacklevel,
     )
