@@ -19,8 +19,9 @@ where its tensors are alive, and holds nothing the schedule does not already hol
 
 What a hook sees: the values eager's hook sees, without autograd history (the planned
 forward runs under no_grad, as every AOTAutograd forward does): `requires_grad` is False,
-`grad_fn` None, and `register_hook` on them fails. A hook that keeps a tensor keeps it
-alive beyond the plan, as in eager.
+`grad_fn` None, and `register_hook` on them fails. A transformers key/value cache among its
+arguments is None, as in the planned step's outputs. What a hook keeps stays alive, as in
+eager, and what it keeps or allocates is not in the plan's budget.
 
 A hook whose code returns a value (`return out * 2`) changes the step's tensors: it is traced
 as before, its tensor effect applies in every step, gradients included, and its Python side
@@ -60,7 +61,8 @@ class HookError(RuntimeError):
 
 @dataclass(eq=False)
 class HookCall:
-    """One hook of one module, run in each step by `rockplan::call_hook`."""
+    """One call of a hook as traced (a module called twice calls its hooks twice), made in
+    each step by `rockplan::call_hook`."""
 
     id: int
     hook: Callable
@@ -99,9 +101,9 @@ class HookCall:
         if result is not None:
             raise HookError(
                 f"{self.name} returned a value in a planned step. Its code did not show that it does (a lambda "
-                "whose body is a call, or a builtin), so rockplan runs it as a side effect, after the step's "
-                "tensors are computed. Write it as a def that returns the value by name (out = ...; return out): "
-                "it is then traced into the step, and what it returns applies.")
+                "whose body is a call, or a builtin), so rockplan runs it as a side effect on the step's values, "
+                "and what it returns cannot reach the step. Write it as a def that returns the value by name "
+                "(out = ...; return out): it is then traced into the step, and what it returns applies.")
         if any(t._version != v for t, v in zip(tensors, versions)):
             raise HookError(
                 f"{self.name} changed a tensor it was given in place in a planned step. Its code returns "
