@@ -34,7 +34,7 @@ from rkgraph.capture import (
     training_function,
 )
 from rkgraph.graph import RematGraph
-from rkgraph.hooks import hook_ids, hooks_muted
+from rkgraph.hooks import hook_ids
 from rkgraph.rewrites import apply_rewrites
 from rockplan import progress
 from rockplan.backend import GraphBreaks, GraphPlan
@@ -281,9 +281,8 @@ class Rockmate(nn.Module):
         budget = step.plan.budget
         planned_for, peaks = budget, []
         for _ in range(INDUCTOR_REFITS + 1):
-            with hooks_muted():  # a measurement, not a training step
-                peaks.append(measured_step_peak(step.compiled, flat_tensors(self.model, step.flat, args, kwargs),
-                                                len(step.flat.param_names)))
+            peaks.append(measured_step_peak(step.compiled, flat_tensors(self.model, step.flat, args, kwargs),
+                                            len(step.flat.param_names)))
             if peaks[-1] <= budget:
                 step.plan = dataclasses.replace(step.plan, budget=budget)
                 return step

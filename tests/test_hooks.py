@@ -326,6 +326,22 @@ def test_a_pre_hook_may_record_onto_its_module_but_not_replace_its_weight() -> N
         _step(rk, (x,), {})
 
 
+def test_hooks_run_in_inductors_compiled_step_and_not_while_it_is_measured() -> None:
+    model, args, kwargs, _ = zoo.make("mlp", "tiny")
+    reference = copy.deepcopy(model)
+    planned, eager = _Recorder(), _Recorder()
+    modules = [name for name, _ in model.named_modules()]
+    planned.attach(model, modules)
+    eager.attach(reference, modules)
+    rk = Rockmate(model, (args, kwargs), 1.0, backend="inductor")  # its compiled step is run to be measured
+    assert planned.seen == []
+    for seed in (1, 2):
+        planned.seen.clear(), eager.seen.clear()
+        _step(rk, args, kwargs, seed)
+        _step(reference, args, kwargs, seed)
+        _assert_recorded_alike(planned, eager)
+
+
 def test_hooks_added_after_planning_are_planned_for() -> None:
     model, x = _mlp()
     rk = Rockmate(model, (x,), 1.0, solver="store_all")
