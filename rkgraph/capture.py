@@ -33,7 +33,7 @@ from torch._functorch.partitioners import default_partition
 from torch._subclasses import FakeTensor, FakeTensorMode
 from torch.func import functional_call
 
-from rkgraph.hooks import HookChain, hooks_as_calls, warn_of_traced_hooks
+from rkgraph.hooks import HookChain, capture_hint, hooks_as_calls, warn_of_traced_hooks
 
 log = logging.getLogger(__name__)
 
@@ -412,7 +412,7 @@ def trace(
         except (CaptureError, ValueError, TypeError):
             raise
         except Exception as e:  # tracing failures: name the op and the user's line
-            raise CaptureError(_explain_trace_failure(model, e)) from e
+            raise CaptureError(_explain_trace_failure(model, e) + capture_hint(flat.hooks)) from e
     warn_of_traced_hooks(model, flat.hooks, _user_stacklevel() + 1)
     if flat.dropped_cache:
         warnings.warn(
@@ -450,12 +450,28 @@ def trace_joint(model: torch.nn.Module, args: Any, kwargs: dict | None = None) -
 
 def joint_graph(flat: FlatCall, joint: fx.GraphModule, num_fwd_outputs: int) -> JointGraph:
     """Wrap AOTAutograd's joint graph with what its primal inputs are; the graph is not changed."""
+    _refuse_constants_with_history(joint, flat)
     kinds = ["param"] * len(flat.param_names) + ["buffer"] * len(flat.buffer_names)
     kinds += ["input"] * len(flat.input_names)
     names = flat.param_names + flat.buffer_names + flat.input_names
     primals = [p.name for p in joint.graph.find_nodes(op="placeholder") if not is_tangent(p)]
     mutated = frozenset(primals[i] for i in flat.mutated)
     return JointGraph(joint, num_fwd_outputs, kinds, names, mutated)
+
+
+def _refuse_constants_with_history(joint: fx.GraphModule, flat: FlatCall) -> None:
+    """A tensor the forward read that is neither a parameter, a buffer nor an input is a
+    constant of the step; one made by autograd outside the step (a value kept from an earlier
+    call, as a hook that stores activations keeps it) would be a stale value whose gradient
+    the step drops: CaptureError, naming what to do."""
+    for node in joint.graph.find_nodes(op="get_attr"):
+        value = getattr(joint, node.target, None)
+        if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+            raise CaptureError(
+                f"the forward reads a tensor computed outside the step, with autograd history "
+                f"({type(value.grad_fn).__name__}, shape {tuple(value.shape)}): a value kept from an earlier call. "
+                "The planned step would read it as a constant and drop its gradient. Compute it in the forward, "
+                "or pass it as an input." + capture_hint(flat.hooks))
 
 
 # Ops that act without an output, which fx does not count as side effects: dead-code

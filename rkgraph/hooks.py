@@ -214,12 +214,28 @@ def returns_value(hook: Callable) -> bool | None:
     return False
 
 
+# Packages whose hooks compute what their models' forwards read (pruning and weight norm set
+# the weight, FSDP gathers it; transformers' and timm's hooks collect the hidden states and
+# features their forwards return): traced, as part of the model, without a warning.
+_MODEL_PACKAGES = ("torch", "transformers", "timm")
+
+
+def _origin(hook: Callable) -> str:
+    """"model" for a hook of `_MODEL_PACKAGES`, "library" for another installed package's,
+    "user" for the user's own code."""
+    code, module = _code(hook)
+    if module.split(".")[0] in _MODEL_PACKAGES:
+        return "model"
+    if code is not None and any(part in code.co_filename for part in ("/site-packages/", "/dist-packages/")):
+        return "library"
+    return "user"
+
+
 def runs_in_steps(hook: Callable) -> bool:
-    """Whether the hook runs in each step as a side effect (else it is traced): see the module docstring."""
-    _, module = _code(hook)
-    if module == "torch" or module.startswith("torch."):
-        return False
-    return not returns_value(hook)
+    """Whether the hook runs in each step as a side effect, else it is traced: a hook of the
+    user's own code whose code returns nothing. A library's hook may store what its forward reads
+    (a dict of features the forward returns), which only tracing it keeps: traced."""
+    return _origin(hook) == "user" and not returns_value(hook)
 
 
 _KIND_LABELS = {"forward_pre": "forward pre-hook", "forward": "forward hook", "backward_pre": "backward pre-hook",
@@ -336,16 +352,28 @@ def hooks_as_calls(model: nn.Module, chain: HookChain) -> Iterator[None]:
 
 
 def warn_of_traced_hooks(model: nn.Module, chain: HookChain, stacklevel: int) -> None:
-    """Name the hooks left traced, whose Python side effects run only while planning."""
-    shown = [describe(hook, where, kind) for where, kind, hook in chain.traced
-             if not (_code(hook)[1] == "torch" or _code(hook)[1].startswith("torch."))]
+    """Name the hooks left traced, whose Python side effects run only while planning (not
+    those of `_MODEL_PACKAGES`: they compute the model)."""
+    shown = [describe(hook, where, kind) for where, kind, hook in chain.traced if _origin(hook) != "model"]
     if not shown:
         return
     listed = "; ".join(shown[:5]) + (f" and {len(shown) - 5} more" if len(shown) > 5 else "")
     warnings.warn(
-        f"{type(model).__name__}: hooks that return a value are traced into the planned step: {listed}. What "
-        "they return applies in every step, gradients included, but their Python side effects (counters, "
-        "recorded tensors, prints) happen only while planning, on traced tensors, not in each step. A hook that "
-        "returns nothing runs in each step on the step's values: keep side effects in such hooks.",
+        f"{type(model).__name__}: hooks that return a value, and hooks of installed libraries (which may store "
+        f"what the forward reads), are traced into the planned step: {listed}. What they return or store applies "
+        "in every step, gradients included, but their Python side effects (counters, recorded tensors, prints) "
+        "happen only while planning, on traced tensors, not in each step. A hook of your own code that returns "
+        "nothing runs in each step on the step's values: keep side effects in such hooks.",
         stacklevel=stacklevel,
     )
+
+
+def capture_hint(chain: HookChain) -> str:
+    """What to add to a capture failure when hooks were not called while tracing: the forward
+    may have read what one of them stores (a dict of features filled by forward hooks)."""
+    if not chain.calls:
+        return ""
+    names = "; ".join(dict.fromkeys(call.name for call in chain.calls[:3]))
+    return (f"\nHooks that return nothing are not called while tracing, only in each step ({names}). If the "
+            "forward reads what a hook stores, make the hook return its output (return out, or return args for "
+            "a pre-hook): it is then traced into the step, and what it stores is there when the forward reads it.")

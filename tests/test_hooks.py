@@ -9,6 +9,7 @@ warns that its Python side effects do not happen per step.
 from __future__ import annotations
 
 import copy
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 from torch.nn.utils import prune
 
+from rkgraph import CaptureError
 from rkgraph.hooks import HookError, returns_value
 from rockplan import Rockmate, zoo
 from rockplan.memory import measure_step
@@ -340,6 +342,68 @@ def test_hooks_run_in_inductors_compiled_step_and_not_while_it_is_measured() -> 
         _step(rk, args, kwargs, seed)
         _step(reference, args, kwargs, seed)
         _assert_recorded_alike(planned, eager)
+
+
+_features: dict[str, torch.Tensor] = {}
+
+
+class _ReadsWhatAHookStores(nn.Module):
+    """A forward that reads what a forward hook stored (features for a perceptual loss)."""
+
+    def __init__(self, hook: Callable) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        self.body[1].register_forward_hook(hook)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x).sum() + _features["tanh"].square().sum()
+
+
+def _store(_m: nn.Module, _args: tuple, out: torch.Tensor) -> None:
+    _features["tanh"] = out
+
+
+def _store_and_return(_m: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+    _features["tanh"] = out
+    return out
+
+
+def test_a_forward_reading_what_a_hook_stores_is_refused_with_the_remedy_that_works() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(5, 8)
+    _features.clear()
+    with pytest.raises(CaptureError, match=r"KeyError(.|\n)*forward hook `_store`.*make the hook return its output"):
+        Rockmate(_ReadsWhatAHookStores(_store), (x,), 1.0, solver="store_all")
+    model = _ReadsWhatAHookStores(_store)
+    model(x)  # an eager call leaves a stale value behind: read as a constant, its gradient would be lost
+    with pytest.raises(CaptureError, match=r"computed outside the step(.|\n)*forward hook `_store`"):
+        Rockmate(model, (x,), 1.0, solver="store_all")
+    _features.clear()
+    model = _ReadsWhatAHookStores(_store_and_return)  # the remedy: traced
+    reference = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match="_store_and_return"):
+        rk = Rockmate(model, (x,), 1.0, solver="store_all")
+    torch.testing.assert_close(_step(rk, (x,), {}), _step(reference, (x,), {}))
+    _assert_same_gradients(model, reference)
+
+
+def test_a_librarys_hook_is_traced_and_named() -> None:
+    """An installed library's hook may store what its forward reads: traced, as before, and named."""
+    model, x = _mlp()
+    calls: list[int] = []
+
+    def count(_m: nn.Module, _args: tuple, _out: torch.Tensor) -> None:
+        calls.append(1)
+
+    as_installed = types.FunctionType(count.__code__.replace(co_filename="/venv/site-packages/lib/hooks.py"),
+                                      count.__globals__, "count", None, count.__closure__)
+    model[2].register_forward_hook(as_installed)
+    with pytest.warns(UserWarning, match=r"installed libraries.*`count` \(hooks.py"):
+        rk = Rockmate(model, (x,), 1.0, solver="store_all")
+    traced = len(calls)
+    assert traced > 0  # called while tracing, as a traced hook is
+    _step(rk, (x,), {})
+    assert len(calls) == traced
 
 
 def test_hooks_added_after_planning_are_planned_for() -> None:
