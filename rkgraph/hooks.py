@@ -25,9 +25,12 @@ eager, and what it keeps or allocates is not in the plan's budget.
 
 A hook whose code returns a value (`return out * 2`) changes the step's tensors: it is traced
 as before, its tensor effect applies in every step, gradients included, and its Python side
-effects happen only while tracing (planning warns, naming it). Hooks from torch itself
-(pruning, weight and spectral normalization, FSDP) compute tensors they set on the module
-and are traced. Which kind a hook is, is read from its code (`returns_value`), never by
+effects happen only while tracing (planning warns, naming it). Hooks of installed libraries
+may store what the forward reads (torch's pruning, weight and spectral normalization and FSDP
+set the weight; transformers' and timm's collect the hidden states their forwards return):
+they are traced too (`runs_in_steps`). A forward that reads what a user's hook run in steps
+stores fails to capture (the value is not there, or is a stale one: `capture_hint` says to
+make the hook return its output, which traces it). Which kind a hook is, is read from its code (`returns_value`), never by
 calling it on fake tensors: planning runs no hook and changes no hook's state. What its code
 cannot tell (a lambda whose body is a call, a builtin) is taken for a side effect and checked
 in each step: a hook run as a side effect that returns a value, changes its tensors in place,

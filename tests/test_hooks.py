@@ -463,7 +463,8 @@ def test_hf_llama_hooks_with_kwargs_see_eagers_values() -> None:
     ids = torch.randint(0, 128, (2, 16))
     mask = torch.ones_like(ids)
     mask[1, :4] = 0  # padded: eager builds the mask tensor the traced step builds (all ones, eager drops it)
-    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    # transformers collects hidden states with forward hooks of its own: they stay traced
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids, "output_hidden_states": True}
     reference = copy.deepcopy(model)
     planned, eager = _Recorder(), _Recorder()
     modules = ["model.layers.0", "model.layers.1.mlp", "lm_head"]
@@ -474,7 +475,9 @@ def test_hf_llama_hooks_with_kwargs_see_eagers_values() -> None:
         probe = Rockmate(copy.deepcopy(model), ((), batch), 1.0, solver="store_all", profile="estimate")
         rk = Rockmate(model, ((), batch), min_feasible_budget(probe.graph), profile="estimate")
     assert planned.seen == []
-    _step(rk, (), batch)
-    _step(reference, (), batch)
+    out, expected = _step(rk, (), batch), _step(reference, (), batch)
     _assert_recorded_alike(planned, eager)
     _assert_same_gradients(model, reference)
+    assert len(out.hidden_states) == len(expected.hidden_states) == 3
+    for got, want in zip(out.hidden_states, expected.hidden_states):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
