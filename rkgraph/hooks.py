@@ -30,12 +30,14 @@ may store what the forward reads (torch's pruning, weight and spectral normaliza
 set the weight; transformers' and timm's collect the hidden states their forwards return):
 they are traced too (`runs_in_steps`). A forward that reads what a user's hook run in steps
 stores fails to capture (the value is not there, or is a stale one: `capture_hint` says to
-make the hook return its output, which traces it). Which kind a hook is, is read from its code (`returns_value`), never by
-calling it on fake tensors: planning runs no hook and changes no hook's state. What its code
-cannot tell (a lambda whose body is a call, a builtin) is taken for a side effect and checked
-in each step: a hook run as a side effect that returns a value, changes its tensors in place,
-or sets a tensor on its module's state before the module runs (a pre-hook), raises an error
-that names it, never a silent difference from eager.
+make the hook return its output, which traces it).
+
+Which kind a hook is, is read from its code (`returns_value`), never by calling it on fake
+tensors: planning runs no hook and changes no hook's state. What its code cannot tell (a
+lambda whose body is a call, a builtin) is taken for a side effect and checked in each step:
+a hook run as a side effect that returns a value, changes its tensors in place, or replaces a
+tensor its module's traced forward reads (a pre-hook), raises an error that names it, never
+a silent difference from eager.
 """
 
 from __future__ import annotations
@@ -206,7 +208,8 @@ def returns_value(hook: Callable) -> bool | None:
         elif ins.opname == "RETURN_VALUE":
             if before is not None and before.opname == "LOAD_CONST" and before.argval is None:
                 sites.append(None)
-            elif before is not None and before.opname.startswith(("CALL", "PRECALL")):
+            elif before is not None and before.opname.startswith(("CALL", "PRECALL")) \
+                    and not before.opname.startswith("CALL_INTRINSIC"):  # (*args,) is no call
                 sites.append("call")
             else:
                 sites.append("value")
@@ -345,6 +348,8 @@ def hooks_as_calls(model: nn.Module, chain: HookChain) -> Iterator[None]:
         stand_ins.add(stand_in)
         return register_hook(tensor, stand_in)
 
+    # Patched on the class for the trace's duration (tensors the forward makes are traced ones,
+    # made inside it), as `_module_path_annotations` hooks every module for it.
     torch.Tensor.register_hook = register_tensor_hook
     try:
         yield
