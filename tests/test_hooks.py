@@ -420,6 +420,15 @@ def test_hooks_added_after_planning_are_planned_for() -> None:
     assert seen == [1]
 
 
+def test_hooks_run_in_a_held_plan_reused_for_a_smaller_input() -> None:
+    model, x = _mlp()
+    seen: list[tuple[int, ...]] = []
+    model[2].register_forward_hook(lambda _m, _a, out: seen.append(tuple(out.shape)))
+    rk = Rockmate(model, (x,), 1.0, on_new_input="reuse")
+    _step(rk, (x[:3],), {})
+    assert rk.schedule.extra.get("reused") and seen == [(3, 16)]
+
+
 def test_no_hook_no_warning() -> None:
     model, x = _mlp()
     model[2].register_forward_hook(lambda _m, _a, _o: None)
