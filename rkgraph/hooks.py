@@ -159,7 +159,11 @@ def call_hook(hook: int, tensors: list[torch.Tensor], after: torch.Tensor | None
     """Call hook `hook` with `tensors`, after the call that returned `after`; returns the token
     the next call takes (no data: its order is all it carries)."""
     if not _muted:
-        _CALLS[hook].run(tensors)
+        call = _CALLS.get(hook)
+        if call is None:  # a graph run without the step that recorded it (rkgraph.capture_joint's)
+            raise HookError(f"hook call {hook} belongs to a captured step no longer held: run the graph "
+                            "inside hooks_muted(), or run the step of the Rockmate module that captured it")
+        call.run(tensors)
     return _token(tensors, after)
 
 
