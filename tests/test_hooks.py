@@ -429,6 +429,31 @@ def test_hooks_run_in_a_held_plan_reused_for_a_smaller_input() -> None:
     assert rk.schedule.extra.get("reused") and seen == [(3, 16)]
 
 
+class _Branches(nn.Module):
+    """A branch on a tensor's value: a graph break, so Dynamo captures the graphs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x).tanh()
+        if h.sum() > 0:
+            h = h * 2
+        return self.b(h)
+
+
+def test_hooks_run_per_step_in_a_model_with_graph_breaks() -> None:
+    torch.manual_seed(0)
+    model, x = _Branches(), torch.randn(5, 8)
+    counts = [0]
+    model.a.register_forward_hook(lambda _m, _a, _o: counts.__setitem__(0, counts[0] + 1))
+    rk = Rockmate(model, (x,), "1MB")
+    for _ in range(3):
+        _step(rk, (x,), {})
+    assert rk.graph_plans and counts == [3]
+
+
 def test_no_hook_no_warning() -> None:
     model, x = _mlp()
     model[2].register_forward_hook(lambda _m, _a, _o: None)
