@@ -19,6 +19,7 @@ from torch import fx
 
 from rkgraph.capture import JointGraph, has_side_effect, is_tangent
 from rkgraph.graph import SOURCE_KINDS, ComputeNode, DataNode, RematGraph
+from rkgraph.hooks import is_hook_call
 
 # Ops whose output shares its input's storage although their schema does not say so.
 _ALIASING_OPS = {torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default}
@@ -211,8 +212,9 @@ def build_graph(joint: JointGraph, name: str = "", replay_rng: bool = True) -> R
         head = group.head
         draws = [n for n in group.ops if is_random(n)]
         draws_random = bool(draws)
-        # Run once, as unreplayed draws are: a collective (see `is_collective`).
-        communicates = any(is_collective(n) for n in group.ops)
+        # Run once, as unreplayed draws are: a collective (see `is_collective`), a user's hook
+        # (`rkgraph.hooks`: it runs in each step as eager runs it, once).
+        runs_once = any(is_collective(n) or is_hook_call(n) for n in group.ops)
         for s in outs:
             data[s] = DataNode(s, _tensor_bytes(storages.root_of[s].meta.get("val")), "activation", head.name)
         if not outs and has_side_effect(head):
@@ -227,7 +229,7 @@ def build_graph(joint: JointGraph, name: str = "", replay_rng: bool = True) -> R
             outputs=tuple(outs),
             backward=is_backward(head),
             workspace=workspace,
-            random=(draws_random and not replay_rng) or communicates,
+            random=(draws_random and not replay_rng) or runs_once,
             rng=draws_random and replay_rng,
             rng_state=sum(generator_state_bytes(first_value(n).device) for n in draws) if replay_rng else 0,
             module=head.meta.get("custom", {}).get("module", ""),

@@ -33,6 +33,8 @@ from torch._functorch.partitioners import default_partition
 from torch._subclasses import FakeTensor, FakeTensorMode
 from torch.func import functional_call
 
+from rkgraph.hooks import HookChain, capture_hint, hooks_as_calls, warn_of_traced_hooks
+
 log = logging.getLogger(__name__)
 
 PartitionFn = Callable[..., tuple[fx.GraphModule, fx.GraphModule]]
@@ -116,6 +118,7 @@ class FlatCall:
     # the model's output, and `result` sets them on the modules, as eager's forward would.
     attached: list[tuple[str, str, pytree.TreeSpec, list[Any]]] = field(default_factory=list)
     dropped_cache: bool = False  # a key/value cache the model returned is None in the step's outputs
+    hooks: HookChain = field(default_factory=HookChain)  # the model's hooks run in each step (rkgraph.hooks)
 
     def tensors(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         leaves, _ = pytree.tree_flatten((args, kwargs))
@@ -200,6 +203,7 @@ def training_function(
     names = flat.param_names + flat.buffer_names
 
     def flat_fn(*tensors: torch.Tensor) -> Any:
+        flat.hooks.restart()
         args, kwargs = flat.unflatten(tensors[n_params + n_buffers:])
         before = _attributes(model)
         try:
@@ -382,7 +386,6 @@ def trace(
     through torch._decomp's Python kernels as torch.compile does: Inductor wants those ops
     decomposed and refuses to fall back on their ATen kernels.
     """
-    _warn_of_hooks(model)
     tensors = flat_tensors(model, flat, args, kwargs)
     if not any(t.requires_grad for t in tensors):
         raise ValueError(
@@ -396,6 +399,7 @@ def trace(
         preserved_rng(),  # ops with no tensor inputs run for real in the fake forward, draws included
         _native_kernels() if native_kernels else contextlib.nullcontext(),
         _side_effects_kept(),
+        hooks_as_calls(model, flat.hooks),  # before the annotations' own hooks are added
         _module_path_annotations(model),
         fx_traceback.preserve_node_meta(),
         torch.enable_grad(),
@@ -408,42 +412,13 @@ def trace(
         except (CaptureError, ValueError, TypeError):
             raise
         except Exception as e:  # tracing failures: name the op and the user's line
-            raise CaptureError(_explain_trace_failure(model, e)) from e
+            raise CaptureError(_explain_trace_failure(model, e) + capture_hint(flat.hooks)) from e
+    warn_of_traced_hooks(model, flat.hooks, _user_stacklevel() + 1)
     if flat.dropped_cache:
         warnings.warn(
             f"{type(model).__name__} returns a key/value cache (use_cache is on in its config): a planned "
             "training step returns None in its place, as gradient checkpointing does. The cache serves "
             "generation; pass use_cache=False in the model's arguments to say none is expected.",
-            stacklevel=_user_stacklevel(),
-        )
-
-
-_MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-
-
-def _warn_of_hooks(model: torch.nn.Module) -> None:
-    """Say, before tracing, that the model's module hooks are traced, not run in each step.
-
-    A hook runs in Python while AOTAutograd traces the step, on traced tensors (twice: once to
-    learn the outputs, once to record the graph). What it computes into a module's inputs,
-    outputs or gradients is recorded and applies in every step; its Python side effects
-    (counting, recording tensors, printing) happen only then. Running them in each step would
-    mean breaking the graph at every hooked module, or making every tensor a hook reads an
-    output the plan must keep: neither is done, so the user is told which hooks are affected.
-    """
-    hooked = [f"{name or type(model).__name__}.{kind.strip('_')}"
-              for name, sub in model.named_modules() for kind in _MODULE_HOOKS if getattr(sub, kind)]
-    hooked += [f"global {kind}" for kind in ("_global_forward_pre_hooks", "_global_forward_hooks",
-                                             "_global_backward_pre_hooks", "_global_backward_hooks")
-               if getattr(torch.nn.modules.module, kind, None)]
-    if hooked:
-        shown = ", ".join(hooked[:5]) + (f" and {len(hooked) - 5} more" if len(hooked) > 5 else "")
-        warnings.warn(
-            f"{type(model).__name__} has module hooks ({shown}). They are traced into the planned step: "
-            "what they compute into inputs, outputs or gradients applies in every step, but they run only "
-            "while the step is traced, on traced tensors, not in each step: counters, recorded tensors and "
-            "prints do not happen per step. Return what a hook records from forward instead, or remove "
-            "such hooks before Rockmate(...).",
             stacklevel=_user_stacklevel(),
         )
 
@@ -475,12 +450,28 @@ def trace_joint(model: torch.nn.Module, args: Any, kwargs: dict | None = None) -
 
 def joint_graph(flat: FlatCall, joint: fx.GraphModule, num_fwd_outputs: int) -> JointGraph:
     """Wrap AOTAutograd's joint graph with what its primal inputs are; the graph is not changed."""
+    _refuse_constants_with_history(joint, flat)
     kinds = ["param"] * len(flat.param_names) + ["buffer"] * len(flat.buffer_names)
     kinds += ["input"] * len(flat.input_names)
     names = flat.param_names + flat.buffer_names + flat.input_names
     primals = [p.name for p in joint.graph.find_nodes(op="placeholder") if not is_tangent(p)]
     mutated = frozenset(primals[i] for i in flat.mutated)
     return JointGraph(joint, num_fwd_outputs, kinds, names, mutated)
+
+
+def _refuse_constants_with_history(joint: fx.GraphModule, flat: FlatCall) -> None:
+    """A tensor the forward read that is neither a parameter, a buffer nor an input is a
+    constant of the step; one made by autograd outside the step (a value kept from an earlier
+    call, as a hook that stores activations keeps it) would be a stale value whose gradient
+    the step drops: CaptureError, naming what to do."""
+    for node in joint.graph.find_nodes(op="get_attr"):
+        value = getattr(joint, node.target, None)
+        if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+            raise CaptureError(
+                f"the forward reads a tensor computed outside the step, with autograd history "
+                f"({type(value.grad_fn).__name__}, shape {tuple(value.shape)}): a value kept from an earlier call. "
+                "The planned step would read it as a constant and drop its gradient. Compute it in the forward, "
+                "or pass it as an input." + capture_hint(flat.hooks))
 
 
 # Ops that act without an output, which fx does not count as side effects: dead-code

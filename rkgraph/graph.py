@@ -15,8 +15,8 @@ Memory semantics, shared by the simulator and every solver:
   while those run (`ComputeNode.releases`).
 - `forward_outputs` must be alive at the end of the forward phase (they are returned to the
   user); `backward_outputs` (gradients) must be alive at the end of the backward phase.
-- A node flagged `random` may be computed once only (recomputing it would draw a new mask, or
-  issue a collective again that the other ranks do not).
+- A node flagged `random` may be computed once only (recomputing it would draw a new mask,
+  issue a collective again that the other ranks do not, or call a user's hook again).
   Nodes flagged `rng` draw random numbers too, but the runtime replays the generator state
   recorded at their first run, so they may be recomputed like any other node. A node computed
   more than once holds its `rng_state` bytes from its first computation to its last, and each
@@ -57,7 +57,8 @@ class ComputeNode:
     backward: bool = False
     time: float = 0.0  # seconds (or arbitrary cost units for imported graphs)
     workspace: int = 0  # temporary bytes during the op (grouped intermediates, kernel scratch)
-    random: bool = False  # draws random numbers that cannot be replayed, or communicates: compute at most once
+    # Draws random numbers that cannot be replayed, communicates, or calls a user's hook: compute at most once.
+    random: bool = False
     rng: bool = False  # draws random numbers; a recomputation replays the recorded RNG state
     rng_state: int = 0  # bytes of the generator states a recomputation replays (with `rng`)
     module: str = ""  # module path in the user's model, "" when unknown

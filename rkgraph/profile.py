@@ -30,6 +30,7 @@ from torch.utils.flop_counter import flop_registry
 
 from rkgraph.capture import is_tangent, preserved_rng
 from rkgraph.graph import RematGraph
+from rkgraph.hooks import hooks_muted
 from rkgraph.rewrites import known_scratch
 
 log = logging.getLogger(__name__)
@@ -166,7 +167,8 @@ def _replays(
         raise ValueError("profiling needs real tensors, got fake ones")
     # A step traced under autocast holds its casts as ops of the graph (planning runs inside
     # that trace, under the user's autocast): autocast off, the graph runs as it was traced.
-    with preserved_rng(), torch.no_grad(), unset_fake_temporarily(), torch._C._DisableAutocast():
+    # A replay measures the step: the user's hooks in it (`rkgraph.hooks`) do not run.
+    with preserved_rng(), torch.no_grad(), unset_fake_temporarily(), torch._C._DisableAutocast(), hooks_muted():
         for _ in range(runs):
             Replay(joint).run(*inputs)
 

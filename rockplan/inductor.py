@@ -28,8 +28,9 @@ def measured_step_peak(compiled: Callable[..., Any], tensors: list[torch.Tensor]
     all-ones output gradients, on real tensors (as measured profiles run), after one warm-up
     step (Inductor's first call allocates once). Nothing of the model changes: the step runs
     on detached parameters (their gradients are dropped) and on copies of the other tensors
-    (buffers it updates), and the user's random stream is restored."""
+    (buffers it updates), the user's random stream is restored, and the model's hooks do not run."""
     from rkgraph.capture import preserved_rng
+    from rkgraph.hooks import hooks_muted
     from rockplan.memory import MemoryTracker
 
     def step() -> None:
@@ -44,7 +45,7 @@ def measured_step_peak(compiled: Callable[..., Any], tensors: list[torch.Tensor]
 
     device = next((t.device for t in tensors if t.device.type != "cpu"), torch.device("cpu"))
     peaks: list[int] = []
-    with preserved_rng(), torch.enable_grad():
+    with preserved_rng(), torch.enable_grad(), hooks_muted():
         step()
         step()
     return peaks[-1]

@@ -36,6 +36,7 @@ from rkgraph.capture import (
     training_function,
 )
 from rkgraph.graph import RematGraph
+from rkgraph.hooks import hook_ids
 from rkgraph.rewrites import apply_rewrites
 from rockplan import progress
 from rockplan.backend import GraphBreaks, GraphPlan
@@ -80,7 +81,8 @@ def _signature(model: nn.Module, args: tuple, kwargs: dict) -> tuple:
     the inputs' structure, shapes, dtypes and devices; the parameters'; every submodule's
     train/eval mode (dropout and BatchNorm trace differently in each: a plan made in eval mode,
     as `from_pretrained` returns models, must not run after `train()`); autocast per device
-    type of the tensors, with its dtype. Grad mode needs no key: without it there is no
+    type of the tensors, with its dtype; the module hooks registered (the step calls those it
+    was traced with, `rkgraph.hooks`). Grad mode needs no key: without it there is no
     backward, and `forward` runs the plain model."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     described = tuple(
@@ -89,7 +91,7 @@ def _signature(model: nn.Module, args: tuple, kwargs: dict) -> tuple:
     )
     parameters = tuple((p.dtype, p.device, p.requires_grad) for p in model.parameters())
     modes = tuple(m.training for m in model.modules())
-    return (str(spec), described, parameters, modes, autocast_state())
+    return (str(spec), described, parameters, modes, autocast_state(), hook_ids(model))
 
 
 def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
@@ -140,6 +142,8 @@ class Rockmate(nn.Module):
     budget there: give the largest input as the sample, and smaller ones are captured but not
     solved (they recompute what a plan of their own might keep). The `max_plans` most recently used
     plans are held; older ones are dropped and made again if their input comes back.
+    The model's hooks run in each step as in eager, on values without autograd history, never
+    while planning; a hook that returns a value is traced into the step (`rkgraph.hooks`).
     Pickling (`torch.save(rk)`, `copy.deepcopy`) keeps the model and how to plan, not the plans
     (their steps are compiled closures): they are made again at the first training step.
     """
@@ -423,4 +427,6 @@ def _describe_difference(planned: tuple, got: tuple) -> str:
                 "Rockmate(...) as for the steps)")
     if planned[4] != got[4]:
         return f"autocast: planned under {planned[4] or 'none'}, called under {got[4] or 'none'}"
+    if planned[5] != got[5]:
+        return "module hooks were added or removed"
     return "parameters changed dtype, device or requires_grad"

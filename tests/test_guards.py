@@ -1,15 +1,14 @@
-"""When a plan still applies (its guards), and what module hooks do in planned steps.
+"""When a plan still applies (its guards).
 
-A plan is traced under the sample's shapes, the submodules' train/eval modes and the autocast
-state; a step under others is planned anew (or refused with on_new_input="error"), never run
-on a plan traced for something else. Hooks are traced: their effect on tensors applies in
-every step; that their Python side effects do not is said when planning.
+A plan is traced under the sample's shapes, the submodules' train/eval modes, the autocast
+state and the module hooks registered; a step under others is planned anew (or refused with
+on_new_input="error"), never run on a plan traced for something else. What hooks do in planned
+steps: tests/test_hooks.py.
 """
 
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
@@ -97,47 +96,3 @@ def test_batchnorm_statistics_are_updated_once_per_step_when_recomputed() -> Non
     _assert_same_gradients_and_state(model, reference)
     counts = {m.num_batches_tracked.item() for m in model.modules() if isinstance(m, nn.BatchNorm2d)}
     assert counts == {2}
-
-
-def _hooked_mlp() -> tuple[nn.Module, torch.Tensor]:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)), \
-        torch.randn(5, 8)
-
-
-def test_hooks_that_change_tensors_apply_in_every_step() -> None:
-    model, x = _hooked_mlp()
-    model[1].register_forward_pre_hook(lambda _m, args: (args[0] * 0.5,))
-    model[2].register_forward_hook(lambda _m, _args, out: out + 1.0)
-    model[3].register_full_backward_hook(lambda _m, grad_in, _grad_out: (grad_in[0] * 3.0,))
-    reference = copy.deepcopy(model)
-    with pytest.warns(UserWarning, match="module hooks"):
-        rk = Rockmate(model, (x,), 1.0, solver="store_all")
-    for seed in (1, 2):  # every step, not only the first
-        model.zero_grad()
-        reference.zero_grad()
-        torch.testing.assert_close(_step(rk, (x,), {}, seed), _step(reference, (x,), {}, seed))
-        _assert_same_gradients_and_state(model, reference)
-    plain = copy.deepcopy(reference)
-    for m in plain.modules():  # the hooks do change the step: without them it differs
-        m._forward_hooks.clear(), m._forward_pre_hooks.clear(), m._backward_hooks.clear()
-    assert not torch.allclose(plain(x), reference(x))
-
-
-def test_hooks_that_record_are_said_not_to_run_per_step() -> None:
-    model, x = _hooked_mlp()
-    recorded: list[torch.Tensor] = []
-    model[2].register_forward_hook(lambda _m, _args, out: recorded.append(out))
-    with pytest.warns(UserWarning, match=r"2\.forward_hooks.*not in each step") as caught:
-        rk = Rockmate(model, (x,), 1.0, solver="store_all")
-    assert caught[0].filename == __file__  # the warning names the user's line
-    recorded.clear()
-    _step(rk, (x,), {})
-    assert recorded == []  # as the warning said
-
-
-def test_no_hook_no_warning() -> None:
-    model, x = _hooked_mlp()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        Rockmate(model, (x,), 1.0, solver="store_all")
