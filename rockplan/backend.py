@@ -62,6 +62,7 @@ from rockplan.codegen import generate
 from rockplan.graph_split import GraphOption, GraphSequence, choose, step_peaks
 from rockplan.planner import DEFAULT_SOLVER, Plan, PlanOptions, Profile, costed_graph, plan, reuse
 from solvers import RUNTIME_SOLVERS, InfeasibleBudget, min_feasible_budget, simulate, solve_store_all
+from solvers.bounds import min_memory_schedule
 
 log = logging.getLogger(__name__)
 
@@ -300,9 +301,12 @@ class Backend:
         return best, best_held
 
     def _plan_smallest(self, joint: JointGraph, real: list[Any]) -> tuple[Plan, int]:
-        """Under a ratio budget, before the step's peak is known: the plan at the smallest
-        budget a schedule is known at (`min_feasible_budget`), or the first above it, on the way
-        to storing everything, that the solver finds a plan within."""
+        """Under a ratio budget, before the step's peak is known: of the plan at the smallest
+        budget a schedule is known at (`min_feasible_budget`; or the first above it, on the way
+        to storing everything, that the solver finds a plan within) and the schedule holding
+        least into the backward (`_holding_least`), the one whose peak and held bytes sum
+        least. The graphs after this one are not known yet: its peak adds to theirs only
+        through what it holds, its own run only through its peak."""
         inputs = real if self.options.profile == "measure" else None
         graph = costed_graph(joint, inputs, self.options.profile, self.options)
         smallest = min_feasible_budget(graph)
@@ -312,25 +316,33 @@ class Backend:
             try:
                 planned = plan(joint, max(smallest, round(smallest + share * (largest - smallest))), self.options,
                                inputs)
+                break
             except InfeasibleBudget as e:
                 failure = failure or e
-                continue
-            return planned, simulate(planned.graph, planned.schedule).held_into_backward
-        assert failure is not None
-        raise failure
+        else:
+            assert failure is not None
+            raise failure
+        best, best_result = planned, simulate(planned.graph, planned.schedule)
+        other = _holding_least(planned)
+        result = simulate(other.graph, other.schedule)
+        if result.peak + result.held_into_backward < best_result.peak + best_result.held_into_backward:
+            best, best_result = other, result
+        return best, best_result.held_into_backward
 
     def _candidates(self, index: int) -> list[tuple[GraphOption, Plan]]:
         """A few plans of graph `index`, each with its `GraphOption`: the plans it has had, the
-        store-everything one, and the solver's at budgets from its smallest feasible one up
-        (`CANDIDATE_SHARES` of the way to storing everything), none above the step's budget.
-        They are schedules of the graph the first plan chose (autograd's or its lean
-        variant), on its costs: measured scratch, when it was measured, stays counted."""
+        one storing everything, the one holding least (`_holding_least`), and the solver's at
+        budgets from its smallest feasible one up (`CANDIDATE_SHARES` of the way to storing
+        everything), none above the step's budget. They are schedules of the graph its first
+        plan chose (autograd's or its lean variant), on its costs: scratch measured then stays
+        counted."""
         first = self.graphs[index].plan
         graph = first.graph
         plans = [g.plan for g in (self.graphs[index], *(s[index] for s in self.superseded if index < len(s)))]
         plans.append(replace(first, schedule=first.graph_store_all, considered={},
                              budget=simulate(graph, first.graph_store_all).peak))
-        smallest, largest = min_feasible_budget(graph), plans[-1].budget
+        plans.append(_holding_least(first))
+        smallest, largest = min_feasible_budget(graph), plans[-2].budget
         for share in CANDIDATE_SHARES:
             budget = round(smallest + share * (largest - smallest))
             if self.budget is not None and budget > self.budget:
@@ -424,6 +436,16 @@ class Backend:
                     found += [p for p in value.parameters() if p.requires_grad]
         for p in found:
             self._gradients[id(p)] = p.numel() * p.element_size()
+
+
+def _holding_least(planned: Plan) -> Plan:
+    """`planned`'s graph run holding the least into its backward: its forward once, keeping
+    only what cannot be made again (outputs, random draws that cannot be replayed), and each
+    activation made again in the backward where it is read (`min_memory_schedule`). For a
+    graph early in the step, what the chain program's "forward keeping only the input" is for
+    a block: the graphs after it get the most room, at the cost of a second forward."""
+    schedule = min_memory_schedule(planned.graph, forward_once=True)
+    return replace(planned, schedule=schedule, budget=schedule.predicted_peak, considered={})
 
 
 def _output_gradients(planned: Plan) -> int:

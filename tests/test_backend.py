@@ -15,8 +15,9 @@ from torch import nn
 import rockplan
 from rkgraph.capture import CaptureError
 from rockplan import Rockmate, zoo
+from rockplan.graph_split import GraphOption, step_peaks
 from rockplan.memory import measure_step
-from solvers import InfeasibleBudget
+from solvers import InfeasibleBudget, simulate
 
 
 @pytest.fixture(autouse=True)
@@ -49,6 +50,27 @@ class _ItemScaled(_Branching):
         scale = h.abs().mean().item()
         h = F.dropout(torch.tanh(self.mid(h * scale)), 0.2, self.training)
         return self.out(h).square().mean()
+
+
+class _Deep(nn.Module):
+    """A branch between two stacks of layers, one dropout in each graph: room to recompute."""
+
+    def __init__(self, width: int = 128, depth: int = 3) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(64, width), nn.Linear(width, 8)
+        self.before = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.after = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.norm = nn.BatchNorm1d(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(torch.tanh(self.norm(self.inp(x))), 0.2, self.training)
+        for layer in self.before:
+            h = torch.tanh(layer(h))
+        if h.sum() > 0:
+            h = h * 2
+        for layer in self.after:
+            h = torch.tanh(layer(h))
+        return F.dropout(self.out(h), 0.2, self.training).square().mean()
 
 
 class _EagerBetween(_Branching):
@@ -90,6 +112,25 @@ def _store_all_peak(factory: Callable[[], nn.Module], x: torch.Tensor) -> int:
     return peak
 
 
+def _predicted_step_peak(backend: rockplan.backend) -> int:
+    """The step's peak as `graph_split.step_peaks` predicts it from each graph's current plan
+    replayed by the simulator, the largest over the sequences of graphs the steps ran."""
+    chosen = {}
+    for g in backend.graphs:
+        result = simulate(g.plan.graph, g.plan.schedule)
+        chosen[g.index] = GraphOption(result.peak, result.held_into_backward + g.output_gradients, result.time)
+    return max(max(step_peaks(s, chosen, r)) for s, r in backend.sequences.items())
+
+
+def _predicted_store_all_peak(factory: Callable[[], nn.Module], x: torch.Tensor) -> int:
+    """The step's peak every graph storing everything, as `_predicted_step_peak` predicts it."""
+    torch._dynamo.reset()
+    backend = rockplan.backend(10**12, solver="store_all")
+    _step(torch.compile(factory(), backend=backend, dynamic=False), x)
+    torch._dynamo.reset()
+    return _predicted_step_peak(backend)
+
+
 def _recomputes(backend: rockplan.backend) -> bool:
     return any(sum(op.kind == "compute" for op in g.plan.schedule.ops) > len(g.plan.graph.nodes)
                for g in backend.graphs)
@@ -114,13 +155,59 @@ def test_graph_breaks_planned_within_one_budget(factory: Callable[[], nn.Module]
     # Later graphs are planned against what the earlier ones hold, and the step's parameter gradients.
     assert backend.graphs[1].pending >= backend.graphs[0].held > 0
     assert all(g.reserved == sum(p.numel() * 4 for p in model.parameters()) for g in backend.graphs)
-    for module in (model, eager):
-        module.zero_grad(set_to_none=True)
-    second = measure_step(_step, compiled, x)
-    torch.testing.assert_close(second.result, _step(eager, x), rtol=1e-5, atol=1e-6)
+    assert backend.sequences == {tuple(range(graphs)): backend._reserves(tuple(range(graphs)))}
+    greedy = list(backend.graphs)
+    for step in range(2):  # the joint split is made as the second step starts, and holds
+        for module in (model, eager):
+            module.zero_grad(set_to_none=True)
+        later = measure_step(_step, compiled, x)
+        torch.testing.assert_close(later.result, _step(eager, x), rtol=1e-5, atol=1e-6)
+        _assert_same_step(model, eager)
+        assert later.peak <= budget, f"step {step + 2} peaked at {later.peak} B, budget {budget} B"
+    assert len(backend.graphs) == graphs  # the guards held: nothing compiled again by Dynamo
+    assert backend.superseded == [greedy] and {g.split for g in backend.graphs} <= {"greedy", "joint"}
+    assert _predicted_step_peak(backend) <= budget
+    # The greedy plans are among the joint split's candidates, so it is never slower.
+    assert backend.predicted_time() <= backend.predicted_time(greedy)
+
+
+class _HeavyFirst(nn.Module):
+    """A first graph that would hold a lot (wide layers), a second that needs little."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Sequential(nn.Linear(64, 256), nn.Tanh(),
+                                   *(m for _ in range(7) for m in (nn.Linear(256, 256), nn.Tanh())))
+        self.head = nn.Linear(256, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        if h.sum() > 0:
+            h = h * 2
+        return self.head(h).square().mean()
+
+
+def test_joint_split_is_faster_than_the_greedy_one_where_a_first_graph_holds_a_lot() -> None:
+    """Planned as it is captured, the first graph is kept from holding more than HOLD_SHARE of
+    its budget, for graphs it does not know; the second needs little, and the joint split
+    lets the first keep more and recompute less, within the same budget."""
+    torch.manual_seed(0)
+    x = torch.randn(1024, 64)
+    budget = int(0.9 * _predicted_store_all_peak(_HeavyFirst, x))
+    torch.manual_seed(0)
+    model = _HeavyFirst()
+    eager = copy.deepcopy(model)
+    backend = rockplan.backend(budget)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    _step(compiled, x)
+    greedy = list(backend.graphs)
+    model.zero_grad(set_to_none=True)
+    joint = measure_step(_step, compiled, x)
+    torch.testing.assert_close(joint.result, _step(eager, x), rtol=1e-5, atol=1e-6)
     _assert_same_step(model, eager)
-    assert second.peak <= budget
-    assert len(backend.graphs) == graphs  # the guards held: nothing compiled again
+    assert joint.peak <= budget and _predicted_step_peak(backend) <= budget
+    assert backend.graphs[0].split == "joint" and backend.graphs[0].held > greedy[0].held
+    assert backend.predicted_time() < backend.predicted_time(greedy)
 
 
 def test_zoo_model_without_breaks_is_one_graph() -> None:
