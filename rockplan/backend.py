@@ -11,8 +11,10 @@ AOTAutograd's callable running the generated forward and backward.
 One budget for the whole step. Graphs run in order and their backwards in reverse order, so
 while graph k runs, the graphs before it hold what they keep for their backward, and while
 graph k's backward runs, the gradients the later graphs' backwards made are alive too. Dynamo
-compiles graphs lazily, during the first call that reaches them, so graph k is planned knowing
-the graphs that ran before it in this step, but not those after it. The rule:
+compiles graphs lazily, during the first call that reaches them, so the budget is split twice.
+
+As a graph is captured (the first step), it is planned knowing the graphs that ran before it
+in this step, but not those after it (a greedy split):
 
     budget of graph k = budget
                         - what the graphs whose backward is pending hold into it
@@ -25,18 +27,41 @@ the graphs that ran before it in this step, but not those after it. The rule:
 The last term is needed because a later graph may use any parameter (tied weights, a module
 called on both sides of a break) and its gradient then waits through graph k's backward; the
 graph's own planner also counts the gradients of its own parameters, so those are counted twice
-for it, the price of not knowing the later graphs. What graphs hold is tracked while the step
-runs (a graph's share is added when its forward runs, removed when its backward has run), so a
-graph compiled late (a branch first taken in a later step) is planned against the graphs
-actually before it. Parameters, buffers and inputs alive before the step are not counted, as
-in `Rockmate`'s budget.
+for it, the price of not knowing the later graphs. A graph's plan holds at most HOLD_SHARE of
+its budget when a plan at a smaller budget can, to leave the unknown later graphs room. What
+graphs hold is tracked while the step runs (a graph's share is added when its forward runs,
+removed when its backward has run), so a graph compiled late (a branch first taken in a later
+step) is planned against the graphs actually before it. Parameters, buffers and inputs alive
+before the step are not counted, as in `Rockmate`'s budget.
+
+Once a step is complete (a backward ran and no graph's backward is pending), the sequence of
+graphs it ran is known. For each sequence not seen before, the next step starts with a joint
+split (`rockplan.graph_split`): a few plans per graph (the ones it has had, storing
+everything, holding least, and the solver's at budgets from its smallest feasible one up, on
+the costs of its first plan), and the fastest choice of one per graph whose step peak, by
+`graph_split.step_peaks`, is within the budget at every position of every sequence seen; only
+the gradients of parameters that later runs use are reserved there. The plans a step's graphs
+ran are among the choices, so the joint split is never predicted slower. Plans change only as a
+step begins, all at once (a step never mixes the plans of two splits); a graph given another
+plan is compiled again by AOTAutograd on fake copies of its arguments when it next runs, which
+allocates nothing.
+
+A ratio budget (a float in (0, 1]) is that share of the step's store-everything peak: autograd's
+graph of every graph storing everything, by `step_peaks`. That is known only once every graph
+has run, so the first step runs each graph at its smallest budget (its plan there, or the one
+holding least, whichever peak and held bytes sum least); the ratio is resolved as the second
+step starts, and the joint split made at it. When the ratio's bytes are below the first step's
+predicted peak, that step ran above them (no plans rockplan found peak lower) and the second
+raises InfeasibleBudget, naming the ratio that fits. Learning the graphs without running them
+is not possible: Dynamo decides a branch on a tensor's value, or reads `.item()`, from the
+real value, so the graphs are known only as a real step runs them, each at its smallest budget.
 
 Limits. Code Dynamo runs itself between graphs is not planned and allocates outside the
 budget (the `.item()` or the branch allocate nothing; a library call on tensors can): a graph
 whose input comes from autograd ops run outside any graph is refused, naming the op and the
-break. Budgets are bytes: a ratio is of the whole step's peak, unknown until every graph is
-captured. Shapes must be static (`dynamic=False`). Re-planning once all graphs are known (a
-better split, as the chain planner splits a budget across blocks) is not done.
+break. Shapes must be static (`dynamic=False`). A forward whose backward never runs (its
+outputs dropped) leaves its share counted: the step never completes, and no joint split is
+made.
 """
 
 from __future__ import annotations
@@ -133,6 +158,7 @@ class Backend:
         self._split_due = False  # a complete step ran a sequence of graphs not seen before
         self._options: dict[int, list[tuple[GraphOption, Plan]]] = {}  # the joint split's candidates per graph
         self._compiled: dict[int, tuple[Plan, Callable]] = {}  # graph -> its plan and AOTAutograd's callable of it
+        self._store_all: dict[int, GraphOption] = {}  # graph -> autograd's graph storing everything (ratios)
 
     @property
     def __name__(self) -> str:  # Dynamo names backends in its logs and errors
@@ -155,7 +181,7 @@ class Backend:
             joint = _rewritten_joint(joint_module, num_fwd_outputs, kinds, names, index)
             pending = sum(held for _, held in self._pending)
             if self.budget is None:
-                planned, held = self._plan_smallest(joint, real)
+                planned, held = self._plan_smallest(joint, real, index)
                 state["plan"] = GraphPlan(index, planned, planned.budget, pending, 0, held,
                                           _output_gradients(planned), ends_at, "smallest")
             else:
@@ -300,17 +326,21 @@ class Backend:
         best.budget = budget  # what the graph was given; its schedule may fit a smaller one
         return best, best_held
 
-    def _plan_smallest(self, joint: JointGraph, real: list[Any]) -> tuple[Plan, int]:
+    def _plan_smallest(self, joint: JointGraph, real: list[Any], index: int) -> tuple[Plan, int]:
         """Under a ratio budget, before the step's peak is known: of the plan at the smallest
         budget a schedule is known at (`min_feasible_budget`; or the first above it, on the way
         to storing everything, that the solver finds a plan within) and the schedule holding
         least into the backward (`_holding_least`), the one whose peak and held bytes sum
         least. The graphs after this one are not known yet: its peak adds to theirs only
-        through what it holds, its own run only through its peak."""
+        through what it holds, its own run only through its peak. Notes autograd's graph
+        storing everything, what the ratio is of (`_resolve_ratio`)."""
         inputs = real if self.options.profile == "measure" else None
         graph = costed_graph(joint, inputs, self.options.profile, self.options)
         smallest = min_feasible_budget(graph)
-        largest = solve_store_all(graph).predicted_peak
+        store_all = simulate(graph, solve_store_all(graph))
+        self._store_all[index] = GraphOption(store_all.peak, store_all.held_into_backward + sum(
+            graph.data[t].size for t in graph.tangents), store_all.time)
+        largest = store_all.peak
         failure: InfeasibleBudget | None = None
         for share in SMALLEST_STEPS:
             try:
@@ -395,12 +425,11 @@ class Backend:
                  format_bytes(self.budget), graphs, self.predicted_time(), self.predicted_time(self.superseded[-1]))
 
     def _resolve_ratio(self, graphs: list[int]) -> None:
-        """The ratio budget in bytes: that share of the step's store-everything peak (every
-        graph storing everything, by `step_peaks`, the largest over the sequences seen).
-        InfeasibleBudget when it is below the peak of the step that ran (each graph at its
-        smallest budget): no split rockplan finds does better."""
-        store_all = {g: next(option for option, planned in self._options[g]
-                             if planned.schedule is planned.graph_store_all) for g in graphs}
+        """The ratio budget in bytes: that share of the step's store-everything peak (autograd's
+        graph of every graph storing everything, as `Rockmate`'s ratio is of, by `step_peaks`,
+        the largest over the sequences seen). InfeasibleBudget when it is below the peak of the
+        step that ran (each graph at its smallest budget): no split rockplan finds does better."""
+        store_all = {g: self._store_all[g] for g in graphs}
         current = {g: next(option for option, planned in self._options[g] if planned is self.graphs[g].plan)
                    for g in graphs}
         self.store_all_peak = max(max(step_peaks(s, store_all, r)) for s, r in self.sequences.items())

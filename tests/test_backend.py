@@ -253,8 +253,6 @@ def test_rockmate_falls_back_to_dynamo_on_a_graph_break() -> None:
 
 def test_rockmate_with_graph_breaks_states_what_it_needs() -> None:
     x = torch.randn(512, 64)
-    with pytest.raises(ValueError, match="in bytes"):
-        Rockmate(_Branching(), x, 0.5)
     # Above the parameters' gradients (340,000 B: refused before capture below that), under
     # what graph 0 needs beside them.
     rk = Rockmate(_Branching(), x, 400_000)
@@ -262,9 +260,37 @@ def test_rockmate_with_graph_breaks_states_what_it_needs() -> None:
         _step(rk, x)
 
 
-def test_ratio_budgets_are_refused_by_the_backend() -> None:
-    with pytest.raises(ValueError, match="bytes"):
-        rockplan.backend(0.5)
+def test_ratio_budget_across_graph_breaks() -> None:
+    """A ratio is of the step's store-everything peak, known once the first step has run every
+    graph; that step runs each graph at its smallest budget, the next ones at the ratio."""
+    torch.manual_seed(0)
+    x = torch.randn(512, 64)
+    model = _Deep()
+    eager = copy.deepcopy(model)
+    rk = Rockmate(model, x, 0.8)
+    backend = rk._graph_breaks.backend
+    first = measure_step(_step, rk, x)
+    torch.testing.assert_close(first.result, _step(eager, x), rtol=1e-5, atol=1e-6)
+    _assert_same_step(model, eager)
+    assert backend.budget is None and [g.split for g in rk.graph_plans] == ["smallest", "smallest"]
+    for module in (model, eager):
+        module.zero_grad(set_to_none=True)
+    second = measure_step(_step, rk, x)
+    torch.testing.assert_close(second.result, _step(eager, x), rtol=1e-5, atol=1e-6)
+    _assert_same_step(model, eager)
+    assert backend.store_all_peak == _predicted_store_all_peak(_Deep, x)
+    assert backend.budget == int(0.8 * backend.store_all_peak)
+    assert first.peak <= backend.budget and second.peak <= backend.budget
+    assert _predicted_step_peak(backend) <= backend.budget
+    assert backend.predicted_time() < backend.predicted_time(backend.superseded[0])  # room to store more
+
+
+def test_ratio_below_the_smallest_step_says_which_ratio_fits() -> None:
+    x = torch.randn(512, 64)
+    compiled = torch.compile(_Branching(), backend=rockplan.backend(0.2), dynamic=False)
+    _step(compiled, x)
+    with pytest.raises(InfeasibleBudget, match=r"ratio 0.2 .* give a ratio of at least 0\.\d\d"):
+        _step(compiled, x)
 
 
 def test_autograd_ops_outside_the_graphs_are_refused_with_the_op_and_a_remedy() -> None:
