@@ -306,8 +306,9 @@ class Backend:
         """The plan within `budget`, and what it holds into the backward: the fastest one,
         unless it holds more than HOLD_SHARE of the budget; then the one that holds the least of
         those planned at smaller budgets, halfway down to the smallest feasible one and at it,
-        so that graphs after it, unknown yet, are left room. Without this, a graph storing
-        everything when it can leaves the next one too little (a greedy split)."""
+        and the schedule holding least (`_holding_least`) where it fits, so that graphs after
+        it, unknown yet, are left room. Without this, a graph storing everything when it can
+        leaves the next one too little (a greedy split)."""
         inputs = real if self.options.profile == "measure" else None
         best = plan(joint, budget, self.options, inputs)
         best_held = simulate(best.graph, best.schedule).held_into_backward
@@ -323,6 +324,11 @@ class Backend:
                     best, best_held = other, held
                 if best_held <= HOLD_SHARE * budget:
                     break
+            if best_held > HOLD_SHARE * budget:
+                least = _holding_least(best)
+                result = simulate(least.graph, least.schedule)
+                if result.peak <= budget and result.held_into_backward < best_held:
+                    best, best_held = least, result.held_into_backward
         best.budget = budget  # what the graph was given; its schedule may fit a smaller one
         return best, best_held
 
@@ -401,7 +407,10 @@ class Backend:
         if self.budget is None:
             self._resolve_ratio(graphs)
         assert self.budget is not None
-        chosen = choose({g: [option for option, _ in self._options[g]] for g in graphs}, self.sequences, self.budget)
+        current = {g: next(option for option, planned in self._options[g] if planned is self.graphs[g].plan)
+                   for g in graphs}
+        chosen = choose({g: [option for option, _ in self._options[g]] for g in graphs}, self.sequences, self.budget,
+                        share=HOLD_SHARE, current=current)
         if chosen is None:
             log.warning("no joint split of the budget %s across graphs %s found: the plans stay as they are",
                         format_bytes(self.budget), graphs)
@@ -421,7 +430,7 @@ class Backend:
             graphs_now[g] = replace(old, plan=planned, budget=planned.budget, pending=before, reserved=reserved,
                                     held=option.held - old.output_gradients, split="joint")
         self.graphs = graphs_now
-        log.info("joint split of %s across graphs %s: predicted %.4f s per step, was %.4f s",
+        log.info("joint split of %s across graphs %s: predicted %.4f s over the sequences seen, was %.4f s",
                  format_bytes(self.budget), graphs, self.predicted_time(), self.predicted_time(self.superseded[-1]))
 
     def _resolve_ratio(self, graphs: list[int]) -> None:

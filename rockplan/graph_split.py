@@ -51,12 +51,28 @@ def step_peaks(sequence: GraphSequence, chosen: Mapping[int, GraphOption], reser
     return peaks
 
 
+def room_rows(sequence: GraphSequence, chosen: Mapping[int, GraphOption], reserves: Sequence[int],
+              budget: int, share: float) -> list[float]:
+    """Per position of `sequence` but the last, how far the run there holds more than `share`
+    of the room the runs before it left (the budget less their held bytes and the reserve):
+    positive where it does. A graph not seen yet may follow any position (a branch first taken
+    later), and this is the room it would find."""
+    rows, before = [], 0
+    for graph, reserve in zip(sequence[:-1], reserves[:-1], strict=False):
+        rows.append(chosen[graph].held - share * (budget - reserve - before))
+        before += chosen[graph].held
+    return rows
+
+
 def choose(options: Mapping[int, Sequence[GraphOption]], sequences: Mapping[GraphSequence, Sequence[int]],
-           budget: int, time_limit: float = 10.0) -> dict[int, int] | None:
+           budget: int, *, share: float = 1.0, current: Mapping[int, GraphOption] | None = None,
+           time_limit: float = 10.0) -> dict[int, int] | None:
     """Per graph, the index of its option in the fastest split whose every step peak
-    (`step_peaks`, for each sequence with its reserves) is within `budget`; None when none is.
-    Time counts each run: a graph that runs twice in a step, twice. Memory is in bytes over
-    the budget (coefficients at most about one), and the result is checked again in integers."""
+    (`step_peaks`, for each sequence with its reserves) is within `budget`, and where every run
+    but a sequence's last holds at most `share` of the room left to it (`room_rows`; where the
+    `current` plans hold more, as much as they do); None when no split is. Time counts each
+    run: a graph that runs twice in a step, twice. Memory is in bytes over the budget
+    (coefficients at most about one), and the result is checked again in integers."""
     b = MilpBuilder()
     runs = {g: sum(s.count(g) for s in sequences) for g in options}
     column = {(g, o): b.var(0, 1, runs[g] * option.time, True)
@@ -72,6 +88,16 @@ def choose(options: Mapping[int, Sequence[GraphOption]], sequences: Mapping[Grap
                 for o, option in enumerate(options[earlier]):
                     weight[column[earlier, o]] = weight.get(column[earlier, o], 0.0) + option.held / budget
             b.row(list(weight), list(weight.values()), -math.inf, 1 - reserve / budget)
+        # held[p] + share * sum of held[q < p] <= share * (budget - reserve[p]), or the current plans' value
+        slack = [0.0] * len(sequence) if current is None else room_rows(sequence, current, reserves, budget, share)
+        for p, reserve in enumerate(reserves[:-1]):
+            weight = {}
+            for q, earlier in enumerate(sequence[:p + 1]):
+                for o, option in enumerate(options[earlier]):
+                    factor = 1.0 if q == p else share
+                    weight[column[earlier, o]] = weight.get(column[earlier, o], 0.0) + factor * option.held / budget
+            b.row(list(weight), list(weight.values()), -math.inf,
+                  (share * (budget - reserve) + max(0.0, slack[p])) / budget)
     h = b.highs()
     h.setOptionValue("time_limit", float(time_limit))
     h.setOptionValue("mip_rel_gap", 0.0)
@@ -84,4 +110,8 @@ def choose(options: Mapping[int, Sequence[GraphOption]], sequences: Mapping[Grap
     picked = {g: options[g][o] for g, o in chosen.items()}
     if any(max(step_peaks(s, picked, r)) > budget for s, r in sequences.items()):
         return None  # within HiGHS's tolerance but not in bytes
+    if current is not None and any(
+            new > max(0.0, old) + 1 for s, r in sequences.items()
+            for new, old in zip(room_rows(s, picked, r, budget, share), room_rows(s, current, r, budget, share))):
+        return None
     return chosen
