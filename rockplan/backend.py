@@ -40,8 +40,12 @@ split (`rockplan.graph_split`): a few plans per graph (the ones it has had, stor
 everything, holding least, and the solver's at budgets from its smallest feasible one up, on
 the costs of its first plan), and the fastest choice of one per graph whose step peak, by
 `graph_split.step_peaks`, is within the budget at every position of every sequence seen; only
-the gradients of parameters that later runs use are reserved there. The plans a step's graphs
-ran are among the choices, so the joint split is never predicted slower. Plans change only as a
+the gradients of parameters that later runs use are reserved there. A graph not seen yet may
+still follow any graph but a sequence's last (a branch first taken in a later step, planned
+greedily against what the graphs before it hold), so there the joint split keeps the greedy
+rule: such a graph holds at most HOLD_SHARE of the room the graphs before it left (or what
+its current plan holds, if more). The plans a step's graphs ran are among the choices, so
+the joint split is never predicted slower. Plans change only as a
 step begins, all at once (a step never mixes the plans of two splits); a graph given another
 plan is compiled again by AOTAutograd on fake copies of its arguments when it next runs, which
 allocates nothing.

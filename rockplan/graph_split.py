@@ -10,9 +10,11 @@ position p is
                      + gradients of the parameters of runs after p                  (`step_peaks`)
 
 and a split is one plan per graph such that this is within the budget at every position of
-every sequence seen. Among a few plans per graph (`GraphOption`: its simulated peak, what it
-holds, its time), `choose` finds the split of least total time by a small MILP on HiGHS: one
-binary per (graph, option), one row per position. The graphs form a chain, as the blocks of
+every sequence seen, and such that every run but a sequence's last leaves a graph not seen yet
+(a branch taken later) a share of the room (`room_rows`). Among a few plans per graph
+(`GraphOption`: its simulated peak, what it holds, its time), `choose` finds the split of least
+total time by a small MILP on HiGHS: one binary per (graph, option), one or two rows per
+position. The graphs form a chain, as the blocks of
 one graph do, but `solvers.chain`'s program does not fit: its second move (run a block keeping
 only its output, and again in the backward) would re-run a whole graph, and the Python Dynamo
 runs between graphs cannot be replayed; what remains is a choice of one option per graph, and
