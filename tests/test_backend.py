@@ -15,7 +15,7 @@ from torch import nn
 import rockplan
 from rkgraph.capture import CaptureError
 from rockplan import Rockmate, zoo
-from rockplan.graph_split import GraphOption, step_peaks
+from rockplan.graph_split import GraphOption, choose, step_peaks
 from rockplan.memory import measure_step
 from solvers import InfeasibleBudget, simulate
 
@@ -232,6 +232,26 @@ def test_joint_split_holds_for_every_sequence_of_graphs_seen() -> None:
     assert set(backend.sequences) == {(0, 1), (0, 2)}
     assert {g.split for g in backend.graphs} == {"joint"}  # the split after the second sequence covers all three
     assert _predicted_step_peak(backend) <= budget
+
+
+def test_choose_finds_the_fastest_split_within_the_budget_at_every_position() -> None:
+    """Hand-made options: graph 0 either holds much and is fast or holds little and is slow;
+    graph 1 either needs room and is fast or not. Budget 100, graph 1's parameters' gradients
+    (10) reserved while graph 0's backward runs."""
+    fast_holding, slow_lean = GraphOption(peak=60, held=50, time=1.0), GraphOption(peak=60, held=10, time=3.0)
+    roomy, tight = GraphOption(peak=60, held=0, time=1.0), GraphOption(peak=30, held=0, time=2.0)
+    options = {0: [fast_holding, slow_lean], 1: [roomy, tight]}
+    sequences = {(0, 1): [10, 0]}
+    # 50 + 60 > 100: graph 0 holding much leaves graph 1 its tight plan (3.0), holding little its roomy one (4.0).
+    assert choose(options, sequences, 100) == {0: 0, 1: 1}
+    assert max(step_peaks((0, 1), {0: fast_holding, 1: tight}, [10, 0])) == 80
+    # Graph 0 may hold at most half the room it is left (45): only the lean plan does.
+    assert choose(options, sequences, 100, share=0.5, current={0: slow_lean, 1: roomy}) == {0: 1, 1: 0}
+    # Unless the plan it runs already holds more: then as much as that.
+    assert choose(options, sequences, 100, share=0.5, current={0: fast_holding, 1: tight}) == {0: 0, 1: 1}
+    # A graph run twice: what its first run holds is alive while the second runs (50 + 60 + 10).
+    assert choose(options, {(0, 0, 1): [10, 10, 0]}, 100) == {0: 1, 1: 0}
+    assert choose({0: [fast_holding], 1: [tight]}, {(0, 0, 1): [10, 10, 0]}, 100) is None
 
 
 def test_zoo_model_without_breaks_is_one_graph() -> None:
