@@ -11,8 +11,10 @@ AOTAutograd's callable running the generated forward and backward.
 One budget for the whole step. Graphs run in order and their backwards in reverse order, so
 while graph k runs, the graphs before it hold what they keep for their backward, and while
 graph k's backward runs, the gradients the later graphs' backwards made are alive too. Dynamo
-compiles graphs lazily, during the first call that reaches them, so graph k is planned knowing
-the graphs that ran before it in this step, but not those after it. The rule:
+compiles graphs lazily, during the first call that reaches them, so the budget is split twice.
+
+As a graph is captured (the first step), it is planned knowing the graphs that ran before it
+in this step, but not those after it (a greedy split):
 
     budget of graph k = budget
                         - what the graphs whose backward is pending hold into it
@@ -25,25 +27,53 @@ the graphs that ran before it in this step, but not those after it. The rule:
 The last term is needed because a later graph may use any parameter (tied weights, a module
 called on both sides of a break) and its gradient then waits through graph k's backward; the
 graph's own planner also counts the gradients of its own parameters, so those are counted twice
-for it, the price of not knowing the later graphs. What graphs hold is tracked while the step
-runs (a graph's share is added when its forward runs, removed when its backward has run), so a
-graph compiled late (a branch first taken in a later step) is planned against the graphs
-actually before it. Parameters, buffers and inputs alive before the step are not counted, as
-in `Rockmate`'s budget.
+for it, the price of not knowing the later graphs. A graph's plan holds at most HOLD_SHARE of
+its budget when a plan at a smaller budget can, to leave the unknown later graphs room. What
+graphs hold is tracked while the step runs (a graph's share is added when its forward runs,
+removed when its backward has run), so a graph compiled late (a branch first taken in a later
+step) is planned against the graphs actually before it. Parameters, buffers and inputs alive
+before the step are not counted, as in `Rockmate`'s budget.
+
+Once a step is complete (a backward ran and no graph's backward is pending), the sequence of
+graphs it ran is known. For each sequence not seen before, the next step starts with a joint
+split (`rockplan.graph_split`): a few plans per graph (the ones it has had, storing
+everything, holding least, and the solver's at budgets from its smallest feasible one up, on
+the costs of its first plan), and the fastest choice of one per graph whose step peak, by
+`graph_split.step_peaks`, is within the budget at every position of every sequence seen; only
+the gradients of parameters that later runs use are reserved there. A graph not seen yet may
+still follow any graph but a sequence's last (a branch first taken in a later step, planned
+greedily against what the graphs before it hold), so there the joint split keeps the greedy
+rule: such a graph holds at most HOLD_SHARE of the room the graphs before it left (or what
+its current plan holds, if more). The plans a step's graphs ran are among the choices, so
+the joint split is never predicted slower. Plans change only as a
+step begins, all at once (a step never mixes the plans of two splits); a graph given another
+plan is compiled again by AOTAutograd on fake copies of its arguments when it next runs, which
+allocates nothing.
+
+A ratio budget (a float in (0, 1]) is that share of the step's store-everything peak: autograd's
+graph of every graph storing everything, by `step_peaks`. That is known only once every graph
+has run, so the first step runs each graph at its smallest budget (its plan there, or the one
+holding least, whichever peak and held bytes sum least); the ratio is resolved as the second
+step starts, and the joint split made at it. When the ratio's bytes are below the first step's
+predicted peak, that step ran above them (no plans rockplan found peak lower) and the second
+raises InfeasibleBudget, naming the ratio that fits. Learning the graphs without running them
+is not possible: Dynamo decides a branch on a tensor's value, or reads `.item()`, from the
+real value, so the graphs are known only as a real step runs them, each at its smallest budget.
 
 Limits. Code Dynamo runs itself between graphs is not planned and allocates outside the
 budget (the `.item()` or the branch allocate nothing; a library call on tensors can): a graph
 whose input comes from autograd ops run outside any graph is refused, naming the op and the
-break. Budgets are bytes: a ratio is of the whole step's peak, unknown until every graph is
-captured. Shapes must be static (`dynamic=False`). Re-planning once all graphs are known (a
-better split, as the chain planner splits a budget across blocks) is not done.
+break. Shapes must be static (`dynamic=False`). A forward whose backward never runs (its
+outputs dropped) leaves its share counted: the step never completes, and no joint split is
+made.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterable
+import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -56,10 +86,12 @@ from torch.fx.experimental.symbolic_shapes import free_symbols
 from rkgraph.capture import CaptureError, JointGraph, _native_kernels, is_tangent
 from rkgraph.rewrites import apply_rewrites
 from rkgraph.units import format_bytes
-from rockplan.budget import budget_bytes, parse_budget
+from rockplan.budget import budget_bytes
 from rockplan.codegen import generate
-from rockplan.planner import DEFAULT_SOLVER, Plan, PlanOptions, Profile, plan
-from solvers import InfeasibleBudget, min_feasible_budget, simulate
+from rockplan.graph_split import GraphOption, GraphSequence, choose, step_peaks
+from rockplan.planner import DEFAULT_SOLVER, Plan, PlanOptions, Profile, costed_graph, plan, reuse
+from solvers import RUNTIME_SOLVERS, InfeasibleBudget, min_feasible_budget, simulate, solve_store_all
+from solvers.bounds import min_memory_schedule
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +99,10 @@ log = logging.getLogger(__name__)
 # A graph's plan may hold at most this share of its budget into its backward when a plan at a
 # smaller budget can: the graphs after it are not known when it is planned, and need room.
 HOLD_SHARE = 0.5
+# Where between a graph's smallest feasible budget (0) and its store-everything peak (1) the
+# joint split's candidate plans are made, and the first step's plans under a ratio budget tried.
+CANDIDATE_SHARES = (0.0, 0.25, 0.5, 0.75)
+SMALLEST_STEPS = (0.0, 0.1, 0.25, 0.5, 1.0)
 
 
 @dataclass
@@ -77,42 +113,56 @@ class GraphPlan:
     plan: Plan
     budget: int  # bytes given to its planner
     pending: int  # bytes the graphs before it held into its run (their saved values, outputs, their gradients)
-    reserved: int  # bytes kept for the step's parameter gradients
+    reserved: int  # bytes kept for parameter gradients
     held: int  # bytes this graph holds from its forward's end into its backward
     output_gradients: int  # bytes of the gradients of its outputs
     ends_at: str  # why Dynamo ended the graph there ("" for a graph that ends with the frame)
+    # How its plan was chosen: "greedy" (as it was captured, against the graphs before it),
+    # "smallest" (as it was captured, at its smallest budget: the first step under a ratio
+    # budget) or "joint" (with every graph of the step known, `rockplan.graph_split`).
+    split: str = "greedy"
 
 
-def backend(budget: int | str, *, parameters: Iterable[nn.Parameter] | None = None, solver: str = DEFAULT_SOLVER,
-            profile: Profile = "estimate", solver_options: dict | None = None, name: str = "") -> Backend:
+def backend(budget: int | float | str, *, parameters: Iterable[nn.Parameter] | None = None,
+            solver: str = DEFAULT_SOLVER, profile: Profile = "estimate", solver_options: dict | None = None,
+            name: str = "") -> Backend:
     """A torch.compile backend planning every graph Dynamo captures within one step budget.
 
-    `budget`: bytes, or a size string ("1.5GiB"), for the whole training step (not per graph).
-    `parameters`: the step's trainable parameters, whose gradients it reserves; by default
-    those of the modules Dynamo compiles (`torch.compile(model)`: the model's). `solver`,
-    `solver_options`: as `Rockmate`'s. `profile` defaults to "estimate": graphs are planned
-    inside the first step, and measuring replays a graph storing everything, above the budget.
+    `budget`: bytes, or a size string ("1.5GiB"), for the whole training step (not per graph);
+    or a ratio in (0, 1] of the step's store-everything peak, known after the first step (the
+    module docstring says how that step is planned). `parameters`: the step's trainable
+    parameters, whose gradients it reserves; by default those of the modules Dynamo compiles
+    (`torch.compile(model)`: the model's). `solver`, `solver_options`: as `Rockmate`'s.
+    `profile` defaults to "estimate": graphs are planned inside the first step, and measuring
+    replays a graph storing everything, above the budget.
     """
     return Backend(budget, parameters=parameters, options=PlanOptions(
         solver=solver, solver_options=dict(solver_options or {}), profile=profile, name=name))
 
 
 class Backend:
-    """The callable torch.compile calls with each graph; `graphs` lists what it planned."""
+    """The callable torch.compile calls with each graph. `graphs` lists each graph's current
+    plan, `superseded` the plans a joint split replaced, `sequences` the orders of graphs that
+    complete steps ran."""
 
-    def __init__(self, budget: int | str, *, parameters: Iterable[nn.Parameter] | None, options: PlanOptions) -> None:
-        if budget_bytes(budget) is None:
-            raise ValueError(
-                f"rockplan.backend takes the budget in bytes (an int or a size string like '1.5GiB'), not the "
-                f"ratio {budget}: graphs are planned one at a time as Dynamo captures them, before the whole "
-                "step's peak is known. Measure the step without rockplan (rockplan.measure_step) and give a "
-                "fraction of that in bytes.")
-        self.budget = parse_budget(budget, 0)
+    def __init__(self, budget: int | float | str, *, parameters: Iterable[nn.Parameter] | None,
+                 options: PlanOptions) -> None:
+        self.budget: int | None = budget_bytes(budget)  # None until a ratio is resolved, after the first step
+        self.ratio: float | None = None if self.budget is not None else float(budget)
+        self.store_all_peak: int | None = None  # the step's, by `step_peaks`, once a joint split ran
         self.options = options
         self.graphs: list[GraphPlan] = []
+        self.superseded: list[list[GraphPlan]] = []  # each joint split's predecessors, oldest first
+        self.sequences: dict[GraphSequence, list[int]] = {}  # each with its reserves (`step_peaks`)
         self._given = None if parameters is None else [p for p in parameters if p.requires_grad]
         self._gradients: dict[int, int] = {}  # id of each trainable parameter -> bytes of its gradient
-        self._pending: dict[int, int] = {}  # graph index -> what it holds while its backward is pending
+        self._parameters: dict[int, frozenset[int]] = {}  # graph index -> ids of the parameters it takes
+        self._pending: list[tuple[int, int]] = []  # (graph, bytes it holds) per run whose backward is pending
+        self._running: list[int] = []  # the graphs the step under way has run, in order
+        self._split_due = False  # a complete step ran a sequence of graphs not seen before
+        self._options: dict[int, list[tuple[GraphOption, Plan]]] = {}  # the joint split's candidates per graph
+        self._compiled: dict[int, tuple[Plan, Callable]] = {}  # graph -> its plan and AOTAutograd's callable of it
+        self._store_all: dict[int, GraphOption] = {}  # graph -> autograd's graph storing everything (ratios)
 
     @property
     def __name__(self) -> str:  # Dynamo names backends in its logs and errors
@@ -125,41 +175,57 @@ class Backend:
         kinds, names = _input_kinds(gm, example_inputs)
         real = [*gm.parameters(), *gm.buffers(), *example_inputs]
         index = len(self.graphs)
+        self._parameters[index] = frozenset(id(t) for t in real if isinstance(t, nn.Parameter) and t.requires_grad)
+        self._gradients.update({id(t): t.numel() * t.element_size() for t in gm.parameters() if t.requires_grad})
         ends_at = _break_description(getattr(gm, "compile_subgraph_reason", None))
         state: dict[str, Any] = {}
 
         def partition(joint_module: fx.GraphModule, _inputs: Any, *, num_fwd_outputs: int, **_: Any):
             state["planning"] = True
-            primals = [p for p in joint_module.graph.find_nodes(op="placeholder") if not is_tangent(p)]
-            if len(primals) != len(kinds):  # AOTAutograd merged inputs that alias each other
-                raise CaptureError(f"graph {index} has inputs that alias one another; rockplan plans graphs "
-                                   "whose inputs are distinct tensors")
-            _annotate_modules(joint_module)
-            mutated = _mutated(joint_module, primals)
-            joint = apply_rewrites(JointGraph(joint_module, num_fwd_outputs, kinds, names, mutated))
-            pending = sum(self._pending.values())
-            reserved = sum(self._gradients.values())
-            budget = self.budget - pending - reserved
-            if budget <= 0:
-                raise InfeasibleBudget(
-                    f"budget {format_bytes(self.budget)} leaves nothing for graph {index}: the graphs before it "
-                    f"hold {format_bytes(pending)} into its backward and the step's parameter gradients take "
-                    f"{format_bytes(reserved)}; give a larger budget")
-            try:
-                planned, held = self._plan_leaving_room(joint, budget, real)
-            except InfeasibleBudget as e:
-                raise InfeasibleBudget(
-                    f"graph {index} of the step gets {format_bytes(budget)} of the budget {format_bytes(self.budget)} "
-                    f"(the graphs before it hold {format_bytes(pending)} into its backward, the step's parameter "
-                    f"gradients take {format_bytes(reserved)}), and that is too little: {e}") from e
-            tangents = sum(planned.graph.data[t].size for t in planned.graph.tangents)
-            state["plan"] = GraphPlan(index, planned, budget, pending, reserved, held,
-                                      tangents, ends_at)
+            joint = _rewritten_joint(joint_module, num_fwd_outputs, kinds, names, index)
+            pending = sum(held for _, held in self._pending)
+            if self.budget is None:
+                planned, held = self._plan_smallest(joint, real, index)
+                state["plan"] = GraphPlan(index, planned, planned.budget, pending, 0, held,
+                                          _output_gradients(planned), ends_at, "smallest")
+            else:
+                planned, held = self._plan_greedily(joint, real, index, pending)
+                state["plan"] = GraphPlan(index, planned, planned.budget, pending, sum(self._gradients.values()),
+                                          held, _output_gradients(planned), ends_at)
             self.graphs.append(state["plan"])
             log.info("graph %d: %d nodes, budget %s (%s held by earlier graphs, %s of parameter gradients)",
-                     index, len(planned.graph.nodes), format_bytes(budget), format_bytes(pending),
-                     format_bytes(reserved))
+                     index, len(planned.graph.nodes), format_bytes(state["plan"].budget), format_bytes(pending),
+                     format_bytes(state["plan"].reserved))
             return generate(planned.joint, planned.graph, planned.schedule)
+
+        try:
+            compiled = self._compile(gm, example_inputs, partition, index)
+        except Exception as e:
+            if state.get("planning") or isinstance(e, CaptureError):
+                raise
+            raise CaptureError(explain_graph_failure(gm, e)) from e
+        if not state.get("planning"):
+            return compiled  # no backward to plan (eval or no_grad): AOTAutograd's inference graph
+        self._compiled[index] = (state["plan"].plan, compiled)
+
+        @functools.wraps(compiled)
+        def forward(*args: Any) -> Any:
+            if not self._pending:  # nothing from an earlier run awaits its backward: a step begins
+                self._begin_step()
+            mine = self.graphs[index]
+            if self._compiled[index][0] is not mine.plan:  # a joint split gave it another plan
+                self._compiled[index] = (mine.plan, self._compile_again(gm, list(args), kinds, names, index, mine.plan))
+            out = self._compiled[index][1](*args)
+            self._pending.append((index, mine.held + mine.output_gradients))
+            self._running.append(index)
+            return out
+
+        return forward
+
+    # --- compiling -------------------------------------------------------------------------
+    def _compile(self, gm: fx.GraphModule, inputs: list[Any], partition: Callable, index: int) -> Any:
+        """AOTAutograd's callable for `gm`, planned by `partition`; its backward tells the
+        backend when it has run (what the graph held is then released)."""
 
         def compile_backward(gm: fx.GraphModule, inputs: Any) -> Any:
             run = boxed_nop(gm, inputs)
@@ -168,37 +234,85 @@ class Backend:
                 try:
                     return run(args)
                 finally:
-                    self._pending.pop(index, None)
+                    self._backward_ran(index)
 
             backward._boxed_call = True  # type: ignore[attr-defined]
             return backward
 
+        with _native_kernels():
+            return aot_autograd(fw_compiler=boxed_nop, bw_compiler=compile_backward,
+                                partition_fn=partition)(gm, inputs)
+
+    def _compile_again(self, gm: fx.GraphModule, args: list[Any], kinds: list[str], names: list[str], index: int,
+                       planned: Plan) -> Any:
+        """AOTAutograd's callable running `planned` (a plan of this graph made after it was
+        compiled). AOTAutograd traces the graph again, on fake copies of `args` (nothing is
+        allocated), and `planner.reuse` checks the trace is the graph planned and runs the
+        plan's schedule on it: the number of values a forward saves is fixed when AOTAutograd
+        compiles, so another plan needs another compilation."""
+
+        def partition(joint_module: fx.GraphModule, _inputs: Any, *, num_fwd_outputs: int, **_: Any):
+            joint = _rewritten_joint(joint_module, num_fwd_outputs, kinds, names, index)
+            again = reuse(joint, planned.budget, replace(self.options, profile="estimate"), planned)
+            if again is None:
+                raise CaptureError(f"graph {index}, traced again to run the plan its joint split chose, is not the "
+                                   "graph that was planned (tracing it is not deterministic); this is a bug in "
+                                   "rockplan: please report it with the model")
+            return generate(again.joint, again.graph, again.schedule)
+
+        return self._compile(gm, args, partition, index)
+
+    # --- one step --------------------------------------------------------------------------
+    def _begin_step(self) -> None:
+        if self._split_due:
+            self._split_jointly()
+            self._split_due = False
+
+    def _backward_ran(self, index: int) -> None:
+        """Release what the latest run of graph `index` held; when nothing is pending, the step
+        is complete, and a sequence of graphs not seen before makes a joint split due."""
+        for i in range(len(self._pending) - 1, -1, -1):  # backwards run in reverse order
+            if self._pending[i][0] == index:
+                del self._pending[i]
+                break
+        if not self._pending and self._running:
+            sequence, self._running = tuple(self._running), []
+            if sequence not in self.sequences:
+                self.sequences[sequence] = self._reserves(sequence)
+                self._split_due = True
+
+    def _reserves(self, sequence: GraphSequence) -> list[int]:
+        """Per position, the gradients of the parameters the runs after it take, each once."""
+        reserves = []
+        for p in range(len(sequence)):
+            later = set().union(*(self._parameters[g] for g in sequence[p + 1:]))
+            reserves.append(sum(self._gradients[i] for i in later))
+        return reserves
+
+    # --- planning ----------------------------------------------------------------------------
+    def _plan_greedily(self, joint: JointGraph, real: list[Any], index: int, pending: int) -> tuple[Plan, int]:
+        reserved = sum(self._gradients.values())
+        budget = self.budget - pending - reserved
+        if budget <= 0:
+            raise InfeasibleBudget(
+                f"budget {format_bytes(self.budget)} leaves nothing for graph {index}: the graphs before it "
+                f"hold {format_bytes(pending)} into its backward and the step's parameter gradients take "
+                f"{format_bytes(reserved)}; give a larger budget")
         try:
-            with _native_kernels():
-                compiled = aot_autograd(fw_compiler=boxed_nop, bw_compiler=compile_backward,
-                                        partition_fn=partition)(gm, example_inputs)
-        except Exception as e:
-            if state.get("planning") or isinstance(e, CaptureError):
-                raise
-            raise CaptureError(explain_graph_failure(gm, e)) from e
-        if not state.get("planning"):
-            return compiled  # no backward to plan (eval or no_grad): AOTAutograd's inference graph
-
-        @functools.wraps(compiled)
-        def forward(*args: Any) -> Any:
-            out = compiled(*args)
-            mine = state["plan"]
-            self._pending[index] = mine.held + mine.output_gradients
-            return out
-
-        return forward
+            return self._plan_leaving_room(joint, budget, real)
+        except InfeasibleBudget as e:
+            raise InfeasibleBudget(
+                f"graph {index} of the step gets {format_bytes(budget)} of the budget {format_bytes(self.budget)} "
+                f"(the graphs before it hold {format_bytes(pending)} into its backward, the step's parameter "
+                f"gradients take {format_bytes(reserved)}), and that is too little: {e}") from e
 
     def _plan_leaving_room(self, joint: JointGraph, budget: int, real: list[Any]) -> tuple[Plan, int]:
         """The plan within `budget`, and what it holds into the backward: the fastest one,
         unless it holds more than HOLD_SHARE of the budget; then the one that holds the least of
         those planned at smaller budgets, halfway down to the smallest feasible one and at it,
-        so that graphs after it, unknown yet, are left room. Without this, a graph storing
-        everything when it can leaves the next one too little (a greedy split)."""
+        and the schedule holding least (`_holding_least`) where it fits, so that graphs after
+        it, unknown yet, are left room. Without this, a graph storing everything when it can
+        leaves the next one too little (a greedy split)."""
         inputs = real if self.options.profile == "measure" else None
         best = plan(joint, budget, self.options, inputs)
         best_held = simulate(best.graph, best.schedule).held_into_backward
@@ -214,8 +328,142 @@ class Backend:
                     best, best_held = other, held
                 if best_held <= HOLD_SHARE * budget:
                     break
+            if best_held > HOLD_SHARE * budget:
+                least = _holding_least(best)
+                result = simulate(least.graph, least.schedule)
+                if result.peak <= budget and result.held_into_backward < best_held:
+                    best, best_held = least, result.held_into_backward
         best.budget = budget  # what the graph was given; its schedule may fit a smaller one
         return best, best_held
+
+    def _plan_smallest(self, joint: JointGraph, real: list[Any], index: int) -> tuple[Plan, int]:
+        """Under a ratio budget, before the step's peak is known: of the plan at the smallest
+        budget a schedule is known at (`min_feasible_budget`; or the first above it, on the way
+        to storing everything, that the solver finds a plan within) and the schedule holding
+        least into the backward (`_holding_least`), the one whose peak and held bytes sum
+        least. The graphs after this one are not known yet: its peak adds to theirs only
+        through what it holds, its own run only through its peak. Notes autograd's graph
+        storing everything, what the ratio is of (`_resolve_ratio`)."""
+        inputs = real if self.options.profile == "measure" else None
+        graph = costed_graph(joint, inputs, self.options.profile, self.options)
+        smallest = min_feasible_budget(graph)
+        store_all = simulate(graph, solve_store_all(graph))
+        self._store_all[index] = GraphOption(store_all.peak, store_all.held_into_backward + sum(
+            graph.data[t].size for t in graph.tangents), store_all.time)
+        largest = store_all.peak
+        failure: InfeasibleBudget | None = None
+        for share in SMALLEST_STEPS:
+            try:
+                planned = plan(joint, max(smallest, round(smallest + share * (largest - smallest))), self.options,
+                               inputs)
+                break
+            except InfeasibleBudget as e:
+                failure = failure or e
+        else:
+            assert failure is not None
+            raise failure
+        best, best_result = planned, simulate(planned.graph, planned.schedule)
+        other = _holding_least(planned)
+        result = simulate(other.graph, other.schedule)
+        if result.peak + result.held_into_backward < best_result.peak + best_result.held_into_backward:
+            best, best_result = other, result
+        return best, best_result.held_into_backward
+
+    def _candidates(self, index: int) -> list[tuple[GraphOption, Plan]]:
+        """A few plans of graph `index`, each with its `GraphOption`: the plans it has had, the
+        one storing everything, the one holding least (`_holding_least`), and the solver's at
+        budgets from its smallest feasible one up (`CANDIDATE_SHARES` of the way to storing
+        everything), none above the step's budget. They are schedules of the graph its first
+        plan chose (autograd's or its lean variant), on its costs: scratch measured then stays
+        counted."""
+        first = self.graphs[index].plan
+        graph = first.graph
+        plans = [g.plan for g in (self.graphs[index], *(s[index] for s in self.superseded if index < len(s)))]
+        plans.append(replace(first, schedule=first.graph_store_all, considered={},
+                             budget=simulate(graph, first.graph_store_all).peak))
+        plans.append(_holding_least(first))
+        smallest, largest = min_feasible_budget(graph), plans[-2].budget
+        for share in CANDIDATE_SHARES:
+            budget = round(smallest + share * (largest - smallest))
+            if self.budget is not None and budget > self.budget:
+                continue
+            try:
+                schedule = RUNTIME_SOLVERS[self.options.solver](graph, budget, **self.options.solver_options)
+            except InfeasibleBudget:
+                continue
+            if simulate(graph, schedule).peak <= budget:  # the referee: never run an unchecked plan
+                plans.append(replace(first, schedule=schedule, budget=budget, considered={}))
+        found: dict[tuple, tuple[GraphOption, Plan]] = {}
+        for candidate in plans:
+            result = simulate(candidate.graph, candidate.schedule)
+            option = GraphOption(result.peak, result.held_into_backward + _output_gradients(candidate), result.time)
+            found.setdefault((option.peak, option.held, option.time), (option, candidate))
+        return list(found.values())
+
+    def _split_jointly(self) -> None:
+        """Choose every graph's plan at once (`graph_split.choose`) among its candidates, for
+        every sequence of graphs complete steps ran, and swap them in for the steps to come.
+        Under a ratio budget the budget is resolved first. The current plans are among the
+        candidates and fit (the first step ran them), so a split is always found."""
+        graphs = sorted({g for s in self.sequences for g in s})
+        for g in graphs:
+            self._options.setdefault(g, self._candidates(g))
+        if self.budget is None:
+            self._resolve_ratio(graphs)
+        assert self.budget is not None
+        current = {g: next(option for option, planned in self._options[g] if planned is self.graphs[g].plan)
+                   for g in graphs}
+        chosen = choose({g: [option for option, _ in self._options[g]] for g in graphs}, self.sequences, self.budget,
+                        share=HOLD_SHARE, current=current)
+        if chosen is None:
+            log.warning("no joint split of the budget %s across graphs %s found: the plans stay as they are",
+                        format_bytes(self.budget), graphs)
+            return
+        picked = {g: self._options[g][o] for g, o in chosen.items()}
+        if all(planned is self.graphs[g].plan for g, (_, planned) in picked.items()):
+            return
+        self.superseded.append(list(self.graphs))
+        graphs_now = list(self.graphs)
+        for g, (option, planned) in picked.items():
+            before, reserved = 0, 0
+            for sequence, reserves in self.sequences.items():
+                held = [picked[h][0].held if h in picked else 0 for h in sequence]
+                for p in (p for p, h in enumerate(sequence) if h == g):
+                    before, reserved = max(before, sum(held[:p])), max(reserved, reserves[p])
+            old = self.graphs[g]
+            graphs_now[g] = replace(old, plan=planned, budget=planned.budget, pending=before, reserved=reserved,
+                                    held=option.held - old.output_gradients, split="joint")
+        self.graphs = graphs_now
+        log.info("joint split of %s across graphs %s: predicted %.4f s over the sequences seen, was %.4f s",
+                 format_bytes(self.budget), graphs, self.predicted_time(), self.predicted_time(self.superseded[-1]))
+
+    def _resolve_ratio(self, graphs: list[int]) -> None:
+        """The ratio budget in bytes: that share of the step's store-everything peak (autograd's
+        graph of every graph storing everything, as `Rockmate`'s ratio is of, by `step_peaks`,
+        the largest over the sequences seen). InfeasibleBudget when it is below the peak of the
+        step that ran (each graph at its smallest budget): no split rockplan finds does better."""
+        store_all = {g: self._store_all[g] for g in graphs}
+        current = {g: next(option for option, planned in self._options[g] if planned is self.graphs[g].plan)
+                   for g in graphs}
+        self.store_all_peak = max(max(step_peaks(s, store_all, r)) for s, r in self.sequences.items())
+        ran = max(max(step_peaks(s, current, r)) for s, r in self.sequences.items())
+        budget = int(self.ratio * self.store_all_peak)
+        if budget < ran:
+            raise InfeasibleBudget(
+                f"budget ratio {self.ratio} of the step's store-everything peak {format_bytes(self.store_all_peak)} is "
+                f"{format_bytes(budget)}, below the smallest step peak rockplan finds, {format_bytes(ran)} (every "
+                f"graph at its smallest budget, as the first step ran): give a ratio of at least "
+                f"{math.ceil(100 * ran / self.store_all_peak) / 100:.2f}")
+        self.budget = budget
+        log.info("ratio budget %s: %s of the step's store-everything peak %s", self.ratio, format_bytes(budget),
+                 format_bytes(self.store_all_peak))
+
+    def predicted_time(self, graphs: list[GraphPlan] | None = None) -> float:
+        """Predicted seconds of the steps seen, summed over the sequences' runs, with `graphs`'
+        plans (the current ones by default)."""
+        graphs = self.graphs if graphs is None else graphs
+        return sum(simulate(graphs[g].plan.graph, graphs[g].plan.schedule).time
+                   for sequence in self.sequences for g in sequence)
 
     def _note_parameters(self, example_inputs: list[Any]) -> None:
         """Every trainable parameter the step may use, once: the ones given, or those of the
@@ -230,6 +478,33 @@ class Backend:
                     found += [p for p in value.parameters() if p.requires_grad]
         for p in found:
             self._gradients[id(p)] = p.numel() * p.element_size()
+
+
+def _holding_least(planned: Plan) -> Plan:
+    """`planned`'s graph run holding the least into its backward: its forward once, keeping
+    only what cannot be made again (outputs, random draws that cannot be replayed), and each
+    activation made again in the backward where it is read (`min_memory_schedule`). For a
+    graph early in the step, what the chain program's "forward keeping only the input" is for
+    a block: the graphs after it get the most room, at the cost of a second forward."""
+    schedule = min_memory_schedule(planned.graph, forward_once=True)
+    return replace(planned, schedule=schedule, budget=schedule.predicted_peak, considered={})
+
+
+def _output_gradients(planned: Plan) -> int:
+    """Bytes of the gradients of a graph's outputs (its backward's tangents)."""
+    return sum(planned.graph.data[t].size for t in planned.graph.tangents)
+
+
+def _rewritten_joint(joint_module: fx.GraphModule, num_fwd_outputs: int, kinds: list[str], names: list[str],
+                     index: int) -> JointGraph:
+    """AOTAutograd's joint graph of graph `index` as the planner takes it, rewritten."""
+    primals = [p for p in joint_module.graph.find_nodes(op="placeholder") if not is_tangent(p)]
+    if len(primals) != len(kinds):  # AOTAutograd merged inputs that alias each other
+        raise CaptureError(f"graph {index} has inputs that alias one another; rockplan plans graphs "
+                           "whose inputs are distinct tensors")
+    _annotate_modules(joint_module)
+    mutated = _mutated(joint_module, primals)
+    return apply_rewrites(JointGraph(joint_module, num_fwd_outputs, kinds, names, mutated))
 
 
 def _frame_locals() -> dict[str, Any]:
@@ -349,10 +624,6 @@ class GraphBreaks:
     wrapped in Dynamo's BackendCompilerFailed."""
 
     def __init__(self, model: nn.Module, budget: int | float | str, options: PlanOptions, why: CaptureError) -> None:
-        if budget_bytes(budget) is None:
-            raise ValueError(f"{why}\nDynamo can split it into graphs, planned one at a time, but a ratio budget is "
-                             "a fraction of the whole step's peak, unknown until every graph is captured: give "
-                             "the budget in bytes (an int or a size string like '1.5GiB')") from why
         if options.plan_file is not None or not options.replay_rng:
             raise ValueError(f"{why}\nDynamo can split it into graphs, planned one at a time, but not with "
                              "plan_file= or backend='inductor'") from why

@@ -15,8 +15,9 @@ from torch import nn
 import rockplan
 from rkgraph.capture import CaptureError
 from rockplan import Rockmate, zoo
+from rockplan.graph_split import GraphOption, choose, step_peaks
 from rockplan.memory import measure_step
-from solvers import InfeasibleBudget
+from solvers import InfeasibleBudget, simulate
 
 
 @pytest.fixture(autouse=True)
@@ -49,6 +50,27 @@ class _ItemScaled(_Branching):
         scale = h.abs().mean().item()
         h = F.dropout(torch.tanh(self.mid(h * scale)), 0.2, self.training)
         return self.out(h).square().mean()
+
+
+class _Deep(nn.Module):
+    """A branch between two stacks of layers, one dropout in each graph: room to recompute."""
+
+    def __init__(self, width: int = 128, depth: int = 3) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(64, width), nn.Linear(width, 8)
+        self.before = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.after = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.norm = nn.BatchNorm1d(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(torch.tanh(self.norm(self.inp(x))), 0.2, self.training)
+        for layer in self.before:
+            h = torch.tanh(layer(h))
+        if h.sum() > 0:
+            h = h * 2
+        for layer in self.after:
+            h = torch.tanh(layer(h))
+        return F.dropout(self.out(h), 0.2, self.training).square().mean()
 
 
 class _EagerBetween(_Branching):
@@ -90,6 +112,25 @@ def _store_all_peak(factory: Callable[[], nn.Module], x: torch.Tensor) -> int:
     return peak
 
 
+def _predicted_step_peak(backend: rockplan.backend) -> int:
+    """The step's peak as `graph_split.step_peaks` predicts it from each graph's current plan
+    replayed by the simulator, the largest over the sequences of graphs the steps ran."""
+    chosen = {}
+    for g in backend.graphs:
+        result = simulate(g.plan.graph, g.plan.schedule)
+        chosen[g.index] = GraphOption(result.peak, result.held_into_backward + g.output_gradients, result.time)
+    return max(max(step_peaks(s, chosen, r)) for s, r in backend.sequences.items())
+
+
+def _predicted_store_all_peak(factory: Callable[[], nn.Module], x: torch.Tensor) -> int:
+    """The step's peak every graph storing everything, as `_predicted_step_peak` predicts it."""
+    torch._dynamo.reset()
+    backend = rockplan.backend(10**12, solver="store_all")
+    _step(torch.compile(factory(), backend=backend, dynamic=False), x)
+    torch._dynamo.reset()
+    return _predicted_step_peak(backend)
+
+
 def _recomputes(backend: rockplan.backend) -> bool:
     return any(sum(op.kind == "compute" for op in g.plan.schedule.ops) > len(g.plan.graph.nodes)
                for g in backend.graphs)
@@ -114,13 +155,103 @@ def test_graph_breaks_planned_within_one_budget(factory: Callable[[], nn.Module]
     # Later graphs are planned against what the earlier ones hold, and the step's parameter gradients.
     assert backend.graphs[1].pending >= backend.graphs[0].held > 0
     assert all(g.reserved == sum(p.numel() * 4 for p in model.parameters()) for g in backend.graphs)
+    assert backend.sequences == {tuple(range(graphs)): backend._reserves(tuple(range(graphs)))}
+    greedy = list(backend.graphs)
+    for step in range(2):  # the joint split is made as the second step starts, and holds
+        for module in (model, eager):
+            module.zero_grad(set_to_none=True)
+        later = measure_step(_step, compiled, x)
+        torch.testing.assert_close(later.result, _step(eager, x), rtol=1e-5, atol=1e-6)
+        _assert_same_step(model, eager)
+        assert later.peak <= budget, f"step {step + 2} peaked at {later.peak} B, budget {budget} B"
+    assert len(backend.graphs) == graphs  # the guards held: nothing compiled again by Dynamo
+    assert backend.superseded == [greedy] and {g.split for g in backend.graphs} <= {"greedy", "joint"}
+    assert _predicted_step_peak(backend) <= budget
+    # The greedy plans are among the joint split's candidates, so it is never slower.
+    assert backend.predicted_time() <= backend.predicted_time(greedy)
+
+
+def test_joint_split_is_faster_than_the_greedy_one() -> None:
+    """Planned as it is captured, each graph reserves the gradients of every parameter of the
+    step (the graphs after it are unknown, and may use any); once both graphs are known, only
+    those of the parameters later graphs use are, and the last graph gets that room to
+    recompute less, within the same budget."""
+    torch.manual_seed(0)
+    x = torch.randn(512, 64)
+    budget = int(0.9 * _store_all_peak(_Branching, x))
+    torch.manual_seed(0)
+    model = _Branching()
+    eager = copy.deepcopy(model)
+    backend = rockplan.backend(budget)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    for module in (compiled, eager):
+        _step(module, x)
+    greedy = list(backend.graphs)
     for module in (model, eager):
         module.zero_grad(set_to_none=True)
-    second = measure_step(_step, compiled, x)
-    torch.testing.assert_close(second.result, _step(eager, x), rtol=1e-5, atol=1e-6)
+    joint = measure_step(_step, compiled, x)
+    torch.testing.assert_close(joint.result, _step(eager, x), rtol=1e-5, atol=1e-6)
     _assert_same_step(model, eager)
-    assert second.peak <= budget
-    assert len(backend.graphs) == graphs  # the guards held: nothing compiled again
+    assert joint.peak <= budget and _predicted_step_peak(backend) <= budget
+    assert backend.graphs[1].split == "joint" and backend.graphs[1].reserved == 0 < greedy[1].reserved
+    assert backend.predicted_time() < backend.predicted_time(greedy)
+
+
+class _SignBranch(_Branching):
+    """Which graph follows the first depends on the input's sign: two sequences of graphs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(torch.tanh(self.norm(self.inp(x))), 0.2, self.training)
+        if x.mean() > 0:
+            h = torch.tanh(self.mid(h))
+        else:
+            h = torch.sin(self.mid(h) * 0.5) * torch.tanh(h)
+        return self.out(h).square().mean()
+
+
+def test_joint_split_holds_for_every_sequence_of_graphs_seen() -> None:
+    """Steps taking either branch run graph 0 then one of two graphs: the joint split made
+    after both were seen fits the budget in both sequences."""
+    torch.manual_seed(0)
+    x = torch.randn(512, 64).abs()
+    # What storing everything is predicted to need: a graph first run in a later step (the
+    # other branch) must find room beside what the graph before it holds, under either split.
+    budget = max(_predicted_store_all_peak(_SignBranch, x), _predicted_store_all_peak(_SignBranch, -x))
+    torch.manual_seed(0)
+    model = _SignBranch()
+    eager = copy.deepcopy(model)
+    backend = rockplan.backend(budget)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    for inputs in (x, -x, x, -x):
+        for module in (model, eager):
+            module.zero_grad(set_to_none=True)
+        step = measure_step(_step, compiled, inputs)
+        torch.testing.assert_close(step.result, _step(eager, inputs), rtol=1e-5, atol=1e-6)
+        _assert_same_step(model, eager)
+        assert step.peak <= budget
+    assert set(backend.sequences) == {(0, 1), (0, 2)}
+    assert {g.split for g in backend.graphs} == {"joint"}  # the split after the second sequence covers all three
+    assert _predicted_step_peak(backend) <= budget
+
+
+def test_choose_finds_the_fastest_split_within_the_budget_at_every_position() -> None:
+    """Hand-made options: graph 0 either holds much and is fast or holds little and is slow;
+    graph 1 either needs room and is fast or not. Budget 100, graph 1's parameters' gradients
+    (10) reserved while graph 0's backward runs."""
+    fast_holding, slow_lean = GraphOption(peak=60, held=50, time=1.0), GraphOption(peak=60, held=10, time=3.0)
+    roomy, tight = GraphOption(peak=60, held=0, time=1.0), GraphOption(peak=30, held=0, time=2.0)
+    options = {0: [fast_holding, slow_lean], 1: [roomy, tight]}
+    sequences = {(0, 1): [10, 0]}
+    # 50 + 60 > 100: graph 0 holding much leaves graph 1 its tight plan (3.0), holding little its roomy one (4.0).
+    assert choose(options, sequences, 100) == {0: 0, 1: 1}
+    assert max(step_peaks((0, 1), {0: fast_holding, 1: tight}, [10, 0])) == 80
+    # Graph 0 may hold at most half the room it is left (45): only the lean plan does.
+    assert choose(options, sequences, 100, share=0.5, current={0: slow_lean, 1: roomy}) == {0: 1, 1: 0}
+    # Unless the plan it runs already holds more: then as much as that.
+    assert choose(options, sequences, 100, share=0.5, current={0: fast_holding, 1: tight}) == {0: 0, 1: 1}
+    # A graph run twice: what its first run holds is alive while the second runs (50 + 60 + 10).
+    assert choose(options, {(0, 0, 1): [10, 10, 0]}, 100) == {0: 1, 1: 0}
+    assert choose({0: [fast_holding], 1: [tight]}, {(0, 0, 1): [10, 10, 0]}, 100) is None
 
 
 def test_zoo_model_without_breaks_is_one_graph() -> None:
@@ -166,8 +297,6 @@ def test_rockmate_falls_back_to_dynamo_on_a_graph_break() -> None:
 
 def test_rockmate_with_graph_breaks_states_what_it_needs() -> None:
     x = torch.randn(512, 64)
-    with pytest.raises(ValueError, match="in bytes"):
-        Rockmate(_Branching(), x, 0.5)
     # Above the parameters' gradients (340,000 B: refused before capture below that), under
     # what graph 0 needs beside them.
     rk = Rockmate(_Branching(), x, 400_000)
@@ -175,9 +304,37 @@ def test_rockmate_with_graph_breaks_states_what_it_needs() -> None:
         _step(rk, x)
 
 
-def test_ratio_budgets_are_refused_by_the_backend() -> None:
-    with pytest.raises(ValueError, match="bytes"):
-        rockplan.backend(0.5)
+def test_ratio_budget_across_graph_breaks() -> None:
+    """A ratio is of the step's store-everything peak, known once the first step has run every
+    graph; that step runs each graph at its smallest budget, the next ones at the ratio."""
+    torch.manual_seed(0)
+    x = torch.randn(512, 64)
+    model = _Deep()
+    eager = copy.deepcopy(model)
+    rk = Rockmate(model, x, 0.8)
+    backend = rk._graph_breaks.backend
+    first = measure_step(_step, rk, x)
+    torch.testing.assert_close(first.result, _step(eager, x), rtol=1e-5, atol=1e-6)
+    _assert_same_step(model, eager)
+    assert backend.budget is None and [g.split for g in rk.graph_plans] == ["smallest", "smallest"]
+    for module in (model, eager):
+        module.zero_grad(set_to_none=True)
+    second = measure_step(_step, rk, x)
+    torch.testing.assert_close(second.result, _step(eager, x), rtol=1e-5, atol=1e-6)
+    _assert_same_step(model, eager)
+    assert backend.store_all_peak == _predicted_store_all_peak(_Deep, x)
+    assert backend.budget == int(0.8 * backend.store_all_peak)
+    assert first.peak <= backend.budget and second.peak <= backend.budget
+    assert _predicted_step_peak(backend) <= backend.budget
+    assert backend.predicted_time() < backend.predicted_time(backend.superseded[0])  # room to store more
+
+
+def test_ratio_below_the_smallest_step_says_which_ratio_fits() -> None:
+    x = torch.randn(512, 64)
+    compiled = torch.compile(_Branching(), backend=rockplan.backend(0.2), dynamic=False)
+    _step(compiled, x)
+    with pytest.raises(InfeasibleBudget, match=r"ratio 0.2 .* give a ratio of at least 0\.\d\d"):
+        _step(compiled, x)
 
 
 def test_autograd_ops_outside_the_graphs_are_refused_with_the_op_and_a_remedy() -> None:
