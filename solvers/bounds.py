@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rkgraph.graph import RematGraph
+from rkgraph.graph import ComputeNode, RematGraph
 from rkgraph.units import format_bytes
 from solvers.checkpoint_blocks import solve_checkpoint_blocks
 from solvers.ilp_model import MilpBuilder
@@ -281,7 +281,12 @@ def min_memory_schedule(graph: RematGraph, checkpoints: Iterable[str] = (), solv
     """Stage by stage in graph order, keep only values that cannot be recomputed (and the
     `checkpoints`) and recompute each missing forward activation (and its missing ancestors)
     right before it is read. With `forward_once`, the forward phase runs each node once (values
-    live until their last forward use) and only backward stages recompute."""
+    live until their last forward use) and only backward stages recompute.
+
+    The schedule is quadratic in the graph's depth (a backward stage remakes the forward up to
+    what it reads), so what each stage remakes is found without walking the graph each time:
+    per phase, the nodes a node's run needs again (`to_recompute` of its inputs) are a bit set,
+    the union of those of the producers of its missing inputs, each computed once."""
     persistent = set(graph.tangents) | set(checkpoints)
     for node in graph.nodes:
         if node.backward or node.random:
@@ -289,6 +294,27 @@ def min_memory_schedule(graph: RematGraph, checkpoints: Iterable[str] = (), solv
     # Tangents are at hand in the backward phase only.
     available_in = {False: frozenset(d for d in persistent if graph.data[d].kind != "tangent"),
                     True: frozenset(persistent)}
+    producer = {d: graph.index[dn.producer] for d, dn in graph.data.items() if dn.producer is not None}
+    names = np.array([node.name for node in graph.nodes], dtype=object)
+    width = (len(graph.nodes) + 7) // 8
+
+    def missing_inputs(node: ComputeNode, available: frozenset[str], remade: list[int]) -> int:
+        """The nodes to run again before `node`, as a bit set (`remade`: each node's run and
+        its own, for the nodes before it). A producer not before it is in the set alone: the
+        graph is not in topological order, which `_read_before_produced` reports."""
+        bits = 0
+        for d in node.inputs:
+            if d not in available and d in producer:
+                p = producer[d]
+                bits |= remade[p] if p < len(remade) else 1 << p
+        return bits
+
+    remade_in: dict[bool, list[int]] = {}
+    for phase, available in available_in.items():
+        remade: list[int] = []  # per node: itself and what running it again needs, as a bit set
+        for i, node in enumerate(graph.nodes):
+            remade.append(1 << i | missing_inputs(node, available, remade))
+        remade_in[phase] = remade
     computes: list[str] = []
     forward_count = 0
     forward_nodes = len(graph.forward_nodes)
@@ -298,18 +324,26 @@ def min_memory_schedule(graph: RematGraph, checkpoints: Iterable[str] = (), solv
         if forward_once and not node.backward:
             computes.append(node.name)
             continue
-        available = available_in[node.backward]
-        missing = to_recompute(graph, node.inputs, available)  # nodes to recompute in this stage
-        for producer in missing:
-            if graph.index[producer] >= t:
-                d = next(d for n in (node.name, *missing) for d in graph.node(n).inputs
-                         if graph.data[d].producer == producer)
-                raise ValueError(f"node {node.name} reads {d} before it is produced")
-        computes.extend(sorted(missing, key=graph.index.__getitem__))
+        missing = missing_inputs(node, available_in[node.backward], remade_in[node.backward])
+        if missing >> t:
+            _read_before_produced(graph, node)
+        if missing:
+            members = np.unpackbits(np.frombuffer(missing.to_bytes(width, "little"), dtype=np.uint8),
+                                    bitorder="little", count=len(graph.nodes))
+            computes.extend(names[members.astype(bool)].tolist())  # in graph order
         computes.append(node.name)
     if forward_nodes == len(graph.nodes):
         forward_count = len(computes)
     return schedule_from_computes(graph, computes, forward_count, solver=solver)
+
+
+def _read_before_produced(graph: RematGraph, node: ComputeNode) -> None:
+    """ValueError naming a value that running `node` (again) needs, made by a node not before it."""
+    t = graph.index[node.name]
+    missing = to_recompute(graph, node.inputs, ())
+    d = next(d for n in (node.name, *missing) for d in graph.node(n).inputs
+             if (p := graph.data[d].producer) is not None and graph.index[p] >= t)
+    raise ValueError(f"node {node.name} reads {d} before it is produced")
 
 
 @dataclass
