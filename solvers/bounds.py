@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -348,11 +348,36 @@ def _read_before_produced(graph: RematGraph, node: ComputeNode) -> None:
 
 @dataclass
 class BudgetBounds:
+    """The proven memory floor and the constructive schedules near it. The minimum-memory
+    schedule, quadratic in the graph's depth, is built only when first asked for (`candidates`,
+    `schedule`, `upper`): a caller whose budget fits storing everything may need none of it
+    (`min_memory_slower_than_store_all`)."""
+
     lower: int  # proven: no schedule peaks below
     lower_reason: str
-    upper: int  # achieved by `schedule`
-    schedule: Schedule
-    candidates: list[Schedule]  # every constructive schedule tried (the baselines included)
+    baselines: list[Schedule]  # store-all, checkpointing every block, sqrt segments: linear in the graph
+    graph: RematGraph = field(repr=False)
+    _min_memory: Schedule | None = field(default=None, repr=False)
+
+    @property
+    def min_memory(self) -> Schedule:
+        if self._min_memory is None:
+            self._min_memory = min_memory_schedule(self.graph)
+        return self._min_memory
+
+    @property
+    def candidates(self) -> list[Schedule]:
+        """Every constructive schedule tried (the baselines, then the minimum-memory schedule)."""
+        return [*self.baselines, self.min_memory]
+
+    @property
+    def schedule(self) -> Schedule:
+        """The candidate with the least peak: the smallest budget known to fit."""
+        return min(self.candidates, key=lambda s: (s.predicted_peak, s.predicted_time))
+
+    @property
+    def upper(self) -> int:  # achieved by `schedule`
+        return self.schedule.predicted_peak
 
     @property
     def exact(self) -> bool:
@@ -370,10 +395,27 @@ class BudgetBounds:
 
 def budget_bounds(graph: RematGraph) -> BudgetBounds:
     lower, reason = memory_lower_bound(graph)
-    candidates = [solve_store_all(graph), solve_checkpoint_blocks(graph), solve_sqrt_segments(graph),
-                  min_memory_schedule(graph)]
-    best = min(candidates, key=lambda s: (s.predicted_peak, s.predicted_time))
-    return BudgetBounds(lower, reason, best.predicted_peak, best, candidates)
+    return BudgetBounds(lower, reason, [solve_store_all(graph), solve_checkpoint_blocks(graph),
+                                        solve_sqrt_segments(graph)], graph)
+
+
+def min_memory_slower_than_store_all(graph: RematGraph) -> bool:
+    """True when the minimum-memory schedule is surely slower than storing everything, seen
+    without building it: a forward node that takes time is read (through its outputs) by two
+    backward nodes that required outputs depend on. Each of those runs once and is kept, and
+    its stage remakes that node, so the node runs twice where storing everything runs it once,
+    and every other node needed runs at least once in both. False when that is not seen (it
+    may still hold): then build it to compare."""
+    needed = needed_nodes(graph)
+    total = sum(graph.node(name).time for name in needed)
+    for node in graph.forward_nodes:
+        if node.random or node.name not in needed or node.time <= 1e-9 * total:
+            continue  # (a margin far above the rounding of either schedule's summed time)
+        readers = {user for d in node.outputs for user in graph.users[d]
+                   if graph.node(user).backward and user in needed}
+        if len(readers) >= 2:
+            return True
+    return False
 
 
 def check_budget(graph: RematGraph, budget: int) -> BudgetBounds:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from rkgraph.graph import RematGraph
 from rkgraph.units import format_bytes
-from solvers.bounds import check_budget, time_lower_bound
+from solvers.bounds import check_budget, min_memory_slower_than_store_all, time_lower_bound
 from solvers.chain import chain_blocks
 from solvers.dtr import solve_dtr
 from solvers.greedy_checkpoints import solve_greedy_checkpoints
@@ -115,13 +115,16 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
     start = time.perf_counter()
     bounds = check_budget(graph, budget)
     floor, floor_reason = time_lower_bound(graph, budget) if floor is None else floor
-    candidates = [s for s in bounds.candidates if s.predicted_peak <= budget]
+    store_all = bounds.baselines[0]
+    # Where storing everything fits, it is the plan unless another as fast peaks lower: the
+    # minimum-memory schedule (quadratic in depth) is built only when it may be as fast.
+    settled = store_all.predicted_peak <= budget and min_memory_slower_than_store_all(graph)
+    candidates = [s for s in (bounds.baselines if settled else bounds.candidates) if s.predicted_peak <= budget]
     extra: dict[str, object] = {}
 
     def searching() -> bool:
         return not candidates or min(s.predicted_time for s in candidates) > floor * (1 + gap)
 
-    store_all = next(s for s in bounds.candidates if s.solver == "store_all")
     if store_all.predicted_peak > budget:
         # The heuristics first: they take a fraction of a second and often meet the floor, and
         # they beat the chain plan where the chain model is coarse.
