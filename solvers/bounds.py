@@ -56,26 +56,65 @@ def _size(graph: RematGraph, names: Iterable[str]) -> int:
     return sum(graph.data[d].size for d in dict.fromkeys(names) if not graph.is_source(d))
 
 
-def _step_floors(graph: RematGraph, ancestors: list[int]) -> dict[str, tuple[int, list[str], str]]:
-    """Per needed node: (bytes alive while it runs in any schedule, the data they are, why).
-    Its inputs, outputs and workspace; for a backward node also the tangents and the user's
-    outputs (held through the backward) and the gradients its ancestors made (made before it,
-    never freed: the parameter gradients of a whole model, at its last backward nodes)."""
-    held_in_backward = [*graph.tangents, *graph.user_outputs]
-    gradients = [(graph.index[producer], d) for d in dict.fromkeys(graph.backward_outputs)
-                 if (producer := graph.data[d].producer) is not None]
+def _gradients(graph: RematGraph) -> list[tuple[int, str]]:
+    """(index of its producer, data) of each backward output that a node makes."""
+    return [(graph.index[producer], d) for d in dict.fromkeys(graph.backward_outputs)
+            if (producer := graph.data[d].producer) is not None]
+
+
+def _held_at(graph: RematGraph, node: ComputeNode) -> list[str]:
+    """What stays alive through a backward node beyond its own values: the tangents and the user's outputs."""
+    return [*graph.tangents, *graph.user_outputs] if node.backward else []
+
+
+def _alive_at(graph: RematGraph, node: ComputeNode, ancestors: list[int]) -> list[str]:
+    """The data alive while `node` runs in any schedule (`_step_floors`): its inputs and outputs,
+    what a backward node holds, and the gradients its ancestors made."""
+    k = graph.index[node.name]
+    before = [d for i, d in _gradients(graph) if ancestors[k] >> i & 1]
+    return list(dict.fromkeys([*node.inputs, *node.outputs, *_held_at(graph, node), *before]))
+
+
+def _step_floors(graph: RematGraph, ancestors: list[int]) -> dict[str, tuple[int, str]]:
+    """Per needed node: (bytes alive while it runs in any schedule, why); the data they are is
+    `_alive_at`. Its inputs, outputs and workspace; for a backward node also the tangents and
+    the user's outputs (held through the backward) and the gradients its ancestors made (made
+    before it, never freed: the parameter gradients of a whole model, at its last backward
+    nodes). The gradients are summed as bit sets (those made by a node's ancestors), not
+    listed per node: a deep model has hundreds, and as many nodes after them."""
+    gradients = _gradients(graph)
+    count = len(graph.nodes)
+    made_bytes = np.zeros(count, dtype=np.int64)  # per node: bytes and number of the gradients it makes
+    made_count = np.zeros(count, dtype=np.int64)
+    grad_mask = 0
+    made_by = {}
+    for i, d in gradients:
+        made_bytes[i] += graph.data[d].size
+        made_count[i] += 1
+        grad_mask |= 1 << i
+        made_by[d] = i
+    width = (count + 7) // 8
     floors = {}
     for name in needed_nodes(graph):
         node = graph.node(name)
-        held = held_in_backward if node.backward else []
-        before = [d for i, d in gradients if ancestors[graph.index[name]] >> i & 1]
-        alive = list(dict.fromkeys([*node.inputs, *node.outputs, *held, *before]))
+        held = _held_at(graph, node)
+        own = dict.fromkeys([*node.inputs, *node.outputs, *held])
+        made_before = ancestors[graph.index[name]] & grad_mask
+        before_bytes = before_count = 0
+        if made_before:
+            members = np.unpackbits(np.frombuffer(made_before.to_bytes(width, "little"), dtype=np.uint8),
+                                    bitorder="little", count=count).astype(bool)
+            before_bytes, before_count = int(made_bytes[members].sum()), int(made_count[members].sum())
+        # Gradients made before it that it reads or holds anyway are counted once.
+        counted = [d for d in own if d in made_by and made_before >> made_by[d] & 1]
+        alive_bytes = _size(graph, own) + before_bytes - sum(graph.data[d].size for d in counted)
         reason = f"node {name} needs its inputs, outputs and workspace at once"
-        if set(alive) - {*node.inputs, *node.outputs}:
+        if set(held) - {*node.inputs, *node.outputs} or before_count > len(counted):
             reason += ", while the tangents, the user's outputs and the gradients made before it are held"
-        # Inputs it reads for the last time before its last op may die inside it, if freed.
-        freeable = set(node.inputs) - {*held, *before, *graph.tangents, *graph.backward_outputs}
-        floors[name] = (_size(graph, alive) + node.workspace - released_inside(graph, node, freeable), alive, reason)
+        # Inputs it reads for the last time before its last op may die inside it, if freed
+        # (the gradients made before it are backward outputs).
+        freeable = set(node.inputs) - {*held, *graph.tangents, *graph.backward_outputs}
+        floors[name] = (alive_bytes + node.workspace - released_inside(graph, node, freeable), reason)
     return floors
 
 
@@ -85,7 +124,7 @@ def memory_lower_bound(graph: RematGraph) -> tuple[int, str]:
                    "forward outputs and tangents alive together at the phase boundary"),
                   (_size(graph, [*graph.backward_outputs, *graph.user_outputs]),
                    "backward outputs and the user's forward outputs alive at the end")]
-    candidates += [(floor, reason) for floor, _, reason in _step_floors(graph, _ancestors(graph)).values()]
+    candidates += list(_step_floors(graph, _ancestors(graph)).values())
     return max(candidates)
 
 
@@ -112,8 +151,8 @@ def time_lower_bound(graph: RematGraph, budget: int, steps: int = 64) -> tuple[f
     rated: list[tuple[float, str, int]] = []  # (knapsack's extra time, node, bytes left for values)
     for name in moments:
         k = graph.index[name]
-        floor, alive, _ = floors[name]
-        exclude = set(alive)
+        floor, _ = floors[name]
+        exclude = set(_alive_at(graph, graph.nodes[k], ancestors))
         groups: list[tuple[float, int]] = []  # (producer time, bytes it leaves for k's descendants)
         forced = 0
         for p, producer in enumerate(graph.nodes):
@@ -144,8 +183,8 @@ def time_lower_bound(graph: RematGraph, budget: int, steps: int = 64) -> tuple[f
         left = deadline - time.perf_counter()
         if extra <= 0 or left <= 0:  # where every value fits, so do the inputs of none remade
             break
-        remade = _remaking_time(graph, name, room, set(floors[name][1]) | held, ancestors, descendants,
-                                readers, left)
+        alive = set(_alive_at(graph, graph.node(name), ancestors)) | held
+        remade = _remaking_time(graph, name, room, alive, ancestors, descendants, readers, left)
         if remade > best:
             best = remade
             why = (f"at node {_named(graph, name)} only {format_bytes(max(0, room))} are left for the "
