@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import time
 import warnings
 from collections.abc import Mapping
@@ -131,8 +132,9 @@ def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = Pl
     if (floor is not None and lean.solved(below=floor[0]) and lean.schedule is not None
             and lean.schedule.predicted_time < floor[0]):
         # No plan of autograd's graph can beat the lean variant's: it is not solved.
-        considered["autograd's graph"] = (f"not solved: its proven floor, {floor[0]:.3f} s, is above "
-                                          "the lean variant's plan")
+        considered["autograd's graph"] = ("no plan within the budget" if math.isinf(floor[0]) else
+                                          f"not solved: its proven floor, {floor[0]:.3f} s, is above the "
+                                          "lean variant's plan")
         chosen = (lean.joint, lean.graph, lean.schedule)
     else:
         try:
