@@ -128,13 +128,10 @@ def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = Pl
     considered: dict[str, float | str] = {}
     lean = _LeanVariant(joint, graph, budget, options, real_inputs)
     progress.stage("solve")
-    floor = _floor_if_lean_may_win(graph, reference, budget, options)
-    if (floor is not None and lean.solved(below=floor[0]) and lean.schedule is not None
-            and lean.schedule.predicted_time < floor[0]):
+    floor, settled = _settled_by_lean_variant(graph, reference, budget, options, lean)
+    if settled is not None:
         # No plan of autograd's graph can beat the lean variant's: it is not solved.
-        considered["autograd's graph"] = ("no plan within the budget" if math.isinf(floor[0]) else
-                                          f"not solved: its proven floor, {floor[0]:.3f} s, is above the "
-                                          "lean variant's plan")
+        considered["autograd's graph"] = settled
         chosen = (lean.joint, lean.graph, lean.schedule)
     else:
         try:
@@ -174,18 +171,25 @@ def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = Pl
                 {n.name: n.time for n in graph.nodes}, considered)
 
 
-def _floor_if_lean_may_win(graph: RematGraph, reference: Schedule, budget: int,
-                           options: PlanOptions) -> tuple[float, str] | None:
-    """Autograd's graph's proven floor within `budget` when it shows that every plan of that
-    graph recomputes (so the lean variant is planned whatever autograd's plan is, and runs when
-    faster): then a lean plan faster than the floor wins without autograd's graph solved. None
-    where that cannot happen (a plan file, no lean variant asked for, store-all fits, a solver
-    that takes no floor), or the floor does not show it."""
+def _settled_by_lean_variant(graph: RematGraph, reference: Schedule, budget: int, options: PlanOptions,
+                             lean: _LeanVariant) -> tuple[tuple[float, str] | None, str | None]:
+    """(autograd's graph's proven floor within `budget`, for its solve; why that graph needs no
+    solve, or None). When its floor shows that every plan of autograd's graph recomputes, the
+    lean variant is planned whatever autograd's plan is, and runs when faster: a lean plan
+    faster than the floor wins, and autograd's graph is not solved. The knapsacks' floor is
+    tried first (`time_lower_bound` without `closure`: it often settles it, sooner), then the
+    full one. (None, None) where this cannot happen: a plan file, no lean variant asked for,
+    store-all fits, a solver that takes no floor."""
     if (options.plan_file is not None or not options.lean_variant or reference.predicted_peak <= budget
             or "floor" not in solver_options(options.solver)):
-        return None
-    floor = time_lower_bound(graph, budget)
-    return floor if floor[0] > reference.predicted_time else None
+        return None, None
+    for closure in (False, True):
+        floor = time_lower_bound(graph, budget, closure=closure)
+        if (floor[0] > reference.predicted_time and lean.solved(below=floor[0]) and lean.schedule is not None
+                and lean.schedule.predicted_time < floor[0]):
+            return floor, ("no plan within the budget" if math.isinf(floor[0]) else
+                           f"not solved: its proven floor, {floor[0]:.3f} s, is above the lean variant's plan")
+    return floor, None
 
 
 class _LeanVariant:

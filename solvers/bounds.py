@@ -128,7 +128,7 @@ def memory_lower_bound(graph: RematGraph) -> tuple[int, str]:
     return max(candidates)
 
 
-def time_lower_bound(graph: RematGraph, budget: int, steps: int = 64) -> tuple[float, str]:
+def time_lower_bound(graph: RematGraph, budget: int, steps: int = 64, closure: bool = True) -> tuple[float, str]:
     """(seconds, reason): no schedule within `budget` bytes runs faster than this.
 
     Every needed node runs once. Beyond that, take a node k: a value its descendants read,
@@ -139,7 +139,8 @@ def time_lower_bound(graph: RematGraph, budget: int, steps: int = 64) -> tuple[f
     with the highest floors, forward and backward. At the CLOSURE_STEPS moments the knapsacks
     rate tightest, a small MILP (`_remaking_time`) adds what the knapsack leaves out: a value
     made again needs its producer's inputs after k, alive at k or made again too. The bound
-    is the largest over the moments (on a language model, its loss's)."""
+    is the largest over the moments (on a language model, its loss's). Without `closure`, the
+    knapsacks' bound alone: weaker, and found in a fraction of the time."""
     needed = needed_nodes(graph)
     base = sum(graph.node(name).time for name in needed)
     ancestors = _ancestors(graph)
@@ -179,7 +180,7 @@ def time_lower_bound(graph: RematGraph, budget: int, steps: int = 64) -> tuple[f
             why = (f"at node {_named(graph, name)} only {format_bytes(max(0, room))} are left for the "
                    "values its descendants read: the rest must be recomputed")
     deadline = time.perf_counter() + CLOSURE_TIME
-    for extra, name, room in sorted(rated, reverse=True)[:CLOSURE_STEPS]:
+    for extra, name, room in sorted(rated, reverse=True)[:CLOSURE_STEPS if closure else 0]:
         left = deadline - time.perf_counter()
         if extra <= 0 or left <= 0:  # where every value fits, so do the inputs of none remade
             break
