@@ -316,45 +316,60 @@ def _descendants(graph: RematGraph) -> list[int]:
     return result
 
 
-def min_memory_schedule(graph: RematGraph, checkpoints: Iterable[str] = (), solver: str = "min_memory",
-                        forward_once: bool = False) -> Schedule:
-    """Stage by stage in graph order, keep only values that cannot be recomputed (and the
-    `checkpoints`) and recompute each missing forward activation (and its missing ancestors)
-    right before it is read. With `forward_once`, the forward phase runs each node once (values
-    live until their last forward use) and only backward stages recompute.
+class _Remade:
+    """What the minimum-memory family remakes, per phase: values kept across stages (`persistent`:
+    what cannot be recomputed, and the checkpoints) and, per node, the nodes that running it
+    needs to run again first (`to_recompute` of its inputs), as bit sets. Each is the union of
+    those of the producers of the node's missing inputs, so each is computed once, in graph
+    order, not walked anew at every stage (a deep model's stages remake most of its forward)."""
 
-    The schedule is quadratic in the graph's depth (a backward stage remakes the forward up to
-    what it reads), so what each stage remakes is found without walking the graph each time:
-    per phase, the nodes a node's run needs again (`to_recompute` of its inputs) are a bit set,
-    the union of those of the producers of its missing inputs, each computed once."""
-    persistent = set(graph.tangents) | set(checkpoints)
-    for node in graph.nodes:
-        if node.backward or node.random:
-            persistent.update(node.outputs)
-    # Tangents are at hand in the backward phase only.
-    available_in = {False: frozenset(d for d in persistent if graph.data[d].kind != "tangent"),
-                    True: frozenset(persistent)}
-    producer = {d: graph.index[dn.producer] for d, dn in graph.data.items() if dn.producer is not None}
-    names = np.array([node.name for node in graph.nodes], dtype=object)
-    width = (len(graph.nodes) + 7) // 8
+    def __init__(self, graph: RematGraph, checkpoints: Iterable[str] = ()) -> None:
+        persistent = set(graph.tangents) | set(checkpoints)
+        for node in graph.nodes:
+            if node.backward or node.random:
+                persistent.update(node.outputs)
+        # Tangents are at hand in the backward phase only.
+        self.available = {False: frozenset(d for d in persistent if graph.data[d].kind != "tangent"),
+                          True: frozenset(persistent)}
+        self.producer = {d: graph.index[dn.producer] for d, dn in graph.data.items() if dn.producer is not None}
+        self.count = len(graph.nodes)
+        self.remade: dict[bool, list[int]] = {}
+        for phase in (False, True):
+            remade: list[int] = []  # per node: itself and what running it again needs
+            for i, node in enumerate(graph.nodes):
+                remade.append(1 << i | self._missing(node, phase, remade))
+            self.remade[phase] = remade
 
-    def missing_inputs(node: ComputeNode, available: frozenset[str], remade: list[int]) -> int:
-        """The nodes to run again before `node`, as a bit set (`remade`: each node's run and
-        its own, for the nodes before it). A producer not before it is in the set alone: the
-        graph is not in topological order, which `_read_before_produced` reports."""
+    def _missing(self, node: ComputeNode, phase: bool, remade: list[int]) -> int:
+        """A producer not before the node is in the set alone: the graph is not in topological
+        order, which `_read_before_produced` reports."""
         bits = 0
+        available, producer = self.available[phase], self.producer
         for d in node.inputs:
             if d not in available and d in producer:
                 p = producer[d]
                 bits |= remade[p] if p < len(remade) else 1 << p
         return bits
 
-    remade_in: dict[bool, list[int]] = {}
-    for phase, available in available_in.items():
-        remade: list[int] = []  # per node: itself and what running it again needs, as a bit set
-        for i, node in enumerate(graph.nodes):
-            remade.append(1 << i | missing_inputs(node, available, remade))
-        remade_in[phase] = remade
+    def missing(self, node: ComputeNode) -> int:
+        """The nodes to run again right before `node`, in its phase, as a bit set."""
+        return self._missing(node, node.backward, self.remade[node.backward])
+
+    def members(self, bits: int) -> np.ndarray:
+        """The bit set as a boolean mask over the graph's nodes."""
+        return np.unpackbits(np.frombuffer(bits.to_bytes((self.count + 7) // 8, "little"), dtype=np.uint8),
+                             bitorder="little", count=self.count).astype(bool)
+
+
+def min_memory_schedule(graph: RematGraph, checkpoints: Iterable[str] = (), solver: str = "min_memory",
+                        forward_once: bool = False) -> Schedule:
+    """Stage by stage in graph order, keep only values that cannot be recomputed (and the
+    `checkpoints`) and recompute each missing forward activation (and its missing ancestors)
+    right before it is read. With `forward_once`, the forward phase runs each node once (values
+    live until their last forward use) and only backward stages recompute. The schedule is
+    quadratic in the graph's depth (a backward stage remakes the forward up to what it reads)."""
+    remade = _Remade(graph, checkpoints)
+    names = np.array([node.name for node in graph.nodes], dtype=object)
     computes: list[str] = []
     forward_count = 0
     forward_nodes = len(graph.forward_nodes)
@@ -364,17 +379,40 @@ def min_memory_schedule(graph: RematGraph, checkpoints: Iterable[str] = (), solv
         if forward_once and not node.backward:
             computes.append(node.name)
             continue
-        missing = missing_inputs(node, available_in[node.backward], remade_in[node.backward])
+        missing = remade.missing(node)
         if missing >> t:
             _read_before_produced(graph, node)
         if missing:
-            members = np.unpackbits(np.frombuffer(missing.to_bytes(width, "little"), dtype=np.uint8),
-                                    bitorder="little", count=len(graph.nodes))
-            computes.extend(names[members.astype(bool)].tolist())  # in graph order
+            computes.extend(names[remade.members(missing)].tolist())  # in graph order
         computes.append(node.name)
     if forward_nodes == len(graph.nodes):
         forward_count = len(computes)
     return schedule_from_computes(graph, computes, forward_count, solver=solver)
+
+
+def min_memory_time_floor(graph: RematGraph) -> float:
+    """A lower bound on `min_memory_schedule(graph)`'s predicted time, without building it (its
+    replay is quadratic in depth). Each backward node a required output depends on runs once,
+    and everything its stage remakes is read on the way to it, so none of that is dropped as
+    dead work; every other node needed runs at least once. Summed in another order than the
+    schedule's, so compare it with a margin (`MIN_MEMORY_MARGIN`)."""
+    remade = _Remade(graph)
+    times = np.array([node.time for node in graph.nodes])
+    needed = needed_nodes(graph)
+    in_stages = 0  # the nodes some backward stage remakes
+    total = 0.0
+    for node in graph.backward_nodes:
+        if node.name in needed:
+            missing = remade.missing(node)
+            in_stages |= missing
+            total += node.time + float(times[remade.members(missing)].sum())
+    once = [n for n in graph.forward_nodes if n.name in needed and not in_stages >> graph.index[n.name] & 1]
+    return total + sum(n.time for n in once)
+
+
+# Relative margin for comparing `min_memory_time_floor` with a schedule's time: far above the
+# rounding of sums of a few million terms, far below any difference a plan choice turns on.
+MIN_MEMORY_MARGIN = 1e-9
 
 
 def _read_before_produced(graph: RematGraph, node: ComputeNode) -> None:

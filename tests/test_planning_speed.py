@@ -36,6 +36,7 @@ from solvers.bounds import (
     _step_floors,
     min_memory_schedule,
     min_memory_slower_than_store_all,
+    min_memory_time_floor,
     needed_nodes,
 )
 from solvers.schedule import Op
@@ -209,6 +210,49 @@ def test_min_memory_is_skipped_only_where_it_is_slower_than_store_all() -> None:
                    key=lambda s: (s.predicted_time, s.predicted_peak))
         assert (schedule.ops, schedule.extra["schedule_from"]) == (best.ops, best.solver), graph.name
     assert said > len(graphs) // 2
+
+
+def test_min_memory_time_floor_is_below_its_time_and_near_it() -> None:
+    """The bound that lets the portfolio leave the minimum-memory schedule unbuilt holds (and
+    is close: it counts everything the backward stages remake)."""
+    for graph in _graphs():
+        floor, actual = min_memory_time_floor(graph), min_memory_schedule(graph).predicted_time
+        assert floor <= actual * (1 + 1e-12), graph.name
+        assert floor >= 0.5 * actual, graph.name
+
+
+def test_portfolio_answers_the_same_without_the_min_memory_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Left unbuilt where it cannot matter, the minimum-memory schedule changes no answer: the
+    portfolio as it was (the schedule always among the candidates, where it fits) and as it is
+    agree, wherever no time-limited search (the MILPs) decides; and it is left unbuilt often."""
+    import solvers.bounds
+    import solvers.portfolio
+
+    build = solvers.bounds.min_memory_schedule
+    builds: list[str] = []
+
+    def counted(graph: RematGraph, *args, **kwargs):
+        builds.append(graph.name)
+        return build(graph, *args, **kwargs)
+
+    monkeypatch.setattr(solvers.bounds, "min_memory_schedule", counted)
+    compared = unbuilt = 0
+    for seed in range(60):
+        graph = random_training_graph(seed, max_forward=12)
+        peak = solve_store_all(graph).predicted_peak
+        for budget in ((budget_bounds(graph).upper + peak) // 2, peak):
+            builds.clear()
+            now = solve_rockmate(graph, budget, time_limit=5)
+            unbuilt += not builds
+            with monkeypatch.context() as always:
+                always.setattr(solvers.portfolio, "min_memory_time_floor", lambda g: 0.0)
+                always.setattr(solvers.portfolio, "min_memory_slower_than_store_all", lambda g: False)
+                before = solve_rockmate(graph, budget, time_limit=5)
+            if {now.extra["schedule_from"], before.extra["schedule_from"]} & {"ilp", "rockmate", "rotor"}:
+                continue
+            compared += 1
+            assert (now.ops, now.extra["schedule_from"]) == (before.ops, before.extra["schedule_from"]), graph.name
+    assert compared > 40 and unbuilt > 20
 
 
 @pytest.mark.parametrize("ratio", [0.5, 0.7])
