@@ -10,7 +10,9 @@ against the budget, which counts everything the generated code holds (recorded g
 states, copies of mutated buffers), so one solve suffices. Where the plan recomputes, the lean
 variant of the graph (`rkgraph.rewrites.lean_variant`: attention's probabilities remade a few
 heads at a time, masks kept packed) holds less for a recomputation: it is planned too, on the
-same costs for the ops both graphs share, and the faster plan is returned.
+same costs for the ops both graphs share, and the faster plan is returned. Where autograd's
+graph's proven floor shows that it must recompute and the lean variant's plan is faster than
+that floor, autograd's graph is not solved at all: none of its plans could be chosen.
 """
 
 from __future__ import annotations
