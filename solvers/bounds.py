@@ -143,6 +143,8 @@ def time_lower_bound(graph: RematGraph, budget: int, steps: int = 64, closure: b
     knapsacks' bound alone: weaker, and found in a fraction of the time."""
     needed = needed_nodes(graph)
     base = sum(graph.node(name).time for name in needed)
+    if solve_store_all(graph).predicted_peak <= budget:  # nothing need be made again: the knapsacks agree
+        return base, "every needed node runs once"
     ancestors = _ancestors(graph)
     descendants = _descendants(graph)
     floors = _step_floors(graph, ancestors)

@@ -38,6 +38,7 @@ from solvers.bounds import (
     min_memory_slower_than_store_all,
     min_memory_time_floor,
     needed_nodes,
+    time_lower_bound,
 )
 from solvers.schedule import Op
 from solvers.simulate import InfeasibleBudget, free_at_last_use, released_inside, to_recompute
@@ -188,6 +189,15 @@ def test_step_floors_are_the_sums_of_the_data_alive() -> None:
 
 
 # --- the shortcuts -----------------------------------------------------------------------------
+
+
+def test_the_floor_where_store_all_fits_is_its_time() -> None:
+    """Nothing need be made again: the floor is every needed node once, the store-all time,
+    found without the knapsacks (which are no tighter there)."""
+    for graph in _graphs():
+        store_all = solve_store_all(graph)
+        floor, why = time_lower_bound(graph, store_all.predicted_peak)
+        assert floor == pytest.approx(store_all.predicted_time, rel=1e-12) and why == "every needed node runs once"
 
 
 def test_min_memory_is_skipped_only_where_it_is_slower_than_store_all() -> None:
