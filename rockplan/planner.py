@@ -10,13 +10,16 @@ against the budget, which counts everything the generated code holds (recorded g
 states, copies of mutated buffers), so one solve suffices. Where the plan recomputes, the lean
 variant of the graph (`rkgraph.rewrites.lean_variant`: attention's probabilities remade a few
 heads at a time, masks kept packed) holds less for a recomputation: it is planned too, on the
-same costs for the ops both graphs share, and the faster plan is returned.
+same costs for the ops both graphs share, and the faster plan is returned. Where autograd's
+graph's proven floor shows that it must recompute and the lean variant's plan is faster than
+that floor, autograd's graph is not solved at all: none of its plans could be chosen.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import math
 import time
 import warnings
 from collections.abc import Mapping
@@ -50,6 +53,10 @@ log = logging.getLogger(__name__)
 
 Profile = Literal["measure", "estimate"] | Mapping[str, float]
 DEFAULT_SOLVER = "rockmate"  # the portfolio: every strategy tried, the fastest plan kept
+# Relative margin by which the lean variant's plan must beat autograd's graph's proven floor
+# for that graph to go unsolved: the floor's knapsacks have been seen a hair above the time of
+# a schedule that fits (where store-all fits; not yet explained), far below this margin.
+SETTLING_MARGIN = 1e-3
 
 
 class OutOfTime(InfeasibleBudget):
@@ -124,40 +131,34 @@ def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = Pl
              format_bytes(budget), format_bytes(reference.predicted_peak))
     chosen: tuple[JointGraph, RematGraph, Schedule] | None = None
     failure: Exception | None = None
-    progress.stage("solve")
-    try:
-        chosen = (joint, graph, _solve(graph, budget, options))
-    except (InfeasibleBudget, PlanMismatch) as e:
-        failure = e
     considered: dict[str, float | str] = {}
+    lean = _LeanVariant(joint, graph, budget, options, real_inputs)
+    progress.stage("solve")
+    floor, settled = _settled_by_lean_variant(graph, reference, budget, options, lean)
+    if settled is not None:
+        # No plan of autograd's graph can beat the lean variant's: it is not solved.
+        considered["autograd's graph"] = settled
+        chosen = (lean.joint, lean.graph, lean.schedule)
+    else:
+        try:
+            chosen = (joint, graph, _solve(graph, budget, options, floor))
+        except (InfeasibleBudget, PlanMismatch) as e:
+            failure = e
     # A plan file that matched autograd's graph leaves nothing to choose.
-    needs_less_memory = chosen is None or (
-        options.plan_file is None and chosen[2].predicted_time > reference.predicted_time)
-    lean = lean_variant(joint) if needs_less_memory and options.lean_variant else None
-    if lean is not None:
-        # Its own ops timed in place, unless the reference's times are estimates.
-        progress.stage("profile the lean variant")
-        lean_graph = costed_graph(lean, real_inputs, "estimate" if options.profile == "estimate" else "measure",
-                                  options, shared=graph)
-        # Proven once: it says whether solving can pay, and the portfolio's search starts from it.
-        floor = (time_lower_bound(lean_graph, budget)
-                 if chosen is not None or "floor" in solver_options(options.solver) else None)
+    needs_less_memory = not considered and (chosen is None or (
+        options.plan_file is None and chosen[2].predicted_time > reference.predicted_time))
+    if needs_less_memory and options.lean_variant and lean.exists():
         # No use solving it when its proven floor is above the plan in hand.
-        hopeless = chosen is not None and floor is not None and floor[0] >= chosen[2].predicted_time
-        other = None
-        if not hopeless:
-            progress.stage("solve the lean variant")
-            try:
-                other = _solve(lean_graph, budget, options, floor)
-            except (InfeasibleBudget, PlanMismatch) as e:
-                # Both infeasible: the lean graph needs less, so its bound is the one to state.
-                if isinstance(e, InfeasibleBudget):
-                    failure = e
+        hopeless = not lean.solved(below=None if chosen is None else chosen[2].predicted_time)
+        other = lean.schedule
+        if lean.failure is not None:
+            # Both infeasible: the lean graph needs less, so its bound is the one to state.
+            failure = lean.failure
         if other is not None and (chosen is None or other.predicted_time < chosen[2].predicted_time):
             log.info("lean variant: predicted %.3f s, against %s", other.predicted_time,
                      "no plan" if chosen is None else f"{chosen[2].predicted_time:.3f} s")
             considered["autograd's graph"] = "no plan within the budget" if chosen is None else chosen[2].predicted_time
-            chosen = (lean, lean_graph, other)
+            chosen = (lean.joint, lean.graph, other)
         else:
             considered["the lean variant of the graph"] = (
                 "not solved: its proven floor is above the plan of autograd's graph" if hopeless
@@ -174,6 +175,77 @@ def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = Pl
     return Plan(chosen_joint, chosen_graph, schedule, budget,
                 reference if chosen_graph is graph else solve_store_all(chosen_graph), reference,
                 {n.name: n.time for n in graph.nodes}, considered)
+
+
+def _settled_by_lean_variant(graph: RematGraph, reference: Schedule, budget: int, options: PlanOptions,
+                             lean: _LeanVariant) -> tuple[tuple[float, str] | None, str | None]:
+    """(autograd's graph's proven floor within `budget`, for its solve; why that graph needs no
+    solve, or None). When its floor shows that every plan of autograd's graph recomputes, the
+    lean variant is planned whatever autograd's plan is, and runs when faster: a lean plan
+    faster than the floor wins, and autograd's graph is not solved. The knapsacks' floor is
+    tried first (`time_lower_bound` without `closure`: it often settles it, sooner), then the
+    full one. (None, None) where this cannot happen: a plan file, no lean variant asked for,
+    store-all fits, a solver that takes no floor."""
+    if (options.plan_file is not None or not options.lean_variant or reference.predicted_peak <= budget
+            or "floor" not in solver_options(options.solver)):
+        return None, None
+    for closure in (False, True):
+        floor = time_lower_bound(graph, budget, closure=closure)
+        if (floor[0] > reference.predicted_time and lean.solved(below=floor[0]) and lean.schedule is not None
+                and lean.schedule.predicted_time < floor[0] * (1 - SETTLING_MARGIN)):
+            return floor, ("no plan within the budget" if math.isinf(floor[0]) else
+                           f"not solved: its proven floor, {floor[0]:.3f} s, is above the lean variant's plan")
+    return floor, None
+
+
+class _LeanVariant:
+    """The lean variant of a joint graph (`rkgraph.rewrites.lean_variant`), costed and solved
+    once, on demand: `plan` asks for it before autograd's graph is solved (where it may win at
+    once) and after (where autograd's plan recomputes)."""
+
+    def __init__(self, joint: JointGraph, graph: RematGraph, budget: int, options: PlanOptions,
+                 real_inputs: list[torch.Tensor] | None) -> None:
+        self._of, self._reference, self._budget = joint, graph, budget
+        self._options, self._inputs = options, real_inputs
+        self._made = False
+        self.joint: JointGraph | None = None
+        self.graph: RematGraph | None = None
+        self.floor: tuple[float, str] | None = None
+        self.schedule: Schedule | None = None
+        self.failure: Exception | None = None  # InfeasibleBudget from its solve
+        self._solve_done = False
+
+    def exists(self) -> bool:
+        if not self._made:
+            self._made = True
+            self.joint = lean_variant(self._of)
+            if self.joint is not None:
+                options = self._options
+                # Its own ops timed in place, unless the reference's times are estimates.
+                progress.stage("profile the lean variant")
+                self.graph = costed_graph(self.joint, self._inputs,
+                                          "estimate" if options.profile == "estimate" else "measure", options,
+                                          shared=self._reference)
+                # Proven once: it says whether solving can pay, and the portfolio's search starts from it.
+                self.floor = time_lower_bound(self.graph, self._budget)
+        return self.joint is not None
+
+    def solved(self, below: float | None) -> bool:
+        """Whether it is solved (its `schedule`, or its `failure`), solving it now unless its
+        proven floor is at or above `below` (seconds; None: no bound)."""
+        if not self._solve_done and self.exists():
+            if below is not None and self.floor[0] >= below:
+                return False
+            self._solve_done = True
+            progress.stage("solve the lean variant")
+            floor = self.floor if "floor" in solver_options(self._options.solver) else None
+            try:
+                self.schedule = _solve(self.graph, self._budget, self._options, floor)
+            except InfeasibleBudget as e:
+                self.failure = e
+            except PlanMismatch:
+                pass
+        return self._solve_done
 
 
 def reuse(joint: JointGraph, budget: int | float | str, options: PlanOptions, previous: Plan,

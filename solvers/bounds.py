@@ -21,11 +21,11 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from rkgraph.graph import RematGraph
+from rkgraph.graph import ComputeNode, RematGraph
 from rkgraph.units import format_bytes
 from solvers.checkpoint_blocks import solve_checkpoint_blocks
 from solvers.ilp_model import MilpBuilder
@@ -56,26 +56,65 @@ def _size(graph: RematGraph, names: Iterable[str]) -> int:
     return sum(graph.data[d].size for d in dict.fromkeys(names) if not graph.is_source(d))
 
 
-def _step_floors(graph: RematGraph, ancestors: list[int]) -> dict[str, tuple[int, list[str], str]]:
-    """Per needed node: (bytes alive while it runs in any schedule, the data they are, why).
-    Its inputs, outputs and workspace; for a backward node also the tangents and the user's
-    outputs (held through the backward) and the gradients its ancestors made (made before it,
-    never freed: the parameter gradients of a whole model, at its last backward nodes)."""
-    held_in_backward = [*graph.tangents, *graph.user_outputs]
-    gradients = [(graph.index[producer], d) for d in dict.fromkeys(graph.backward_outputs)
-                 if (producer := graph.data[d].producer) is not None]
+def _gradients(graph: RematGraph) -> list[tuple[int, str]]:
+    """(index of its producer, data) of each backward output that a node makes."""
+    return [(graph.index[producer], d) for d in dict.fromkeys(graph.backward_outputs)
+            if (producer := graph.data[d].producer) is not None]
+
+
+def _held_at(graph: RematGraph, node: ComputeNode) -> list[str]:
+    """What stays alive through a backward node beyond its own values: the tangents and the user's outputs."""
+    return [*graph.tangents, *graph.user_outputs] if node.backward else []
+
+
+def _alive_at(graph: RematGraph, node: ComputeNode, ancestors: list[int]) -> list[str]:
+    """The data alive while `node` runs in any schedule (`_step_floors`): its inputs and outputs,
+    what a backward node holds, and the gradients its ancestors made."""
+    k = graph.index[node.name]
+    before = [d for i, d in _gradients(graph) if ancestors[k] >> i & 1]
+    return list(dict.fromkeys([*node.inputs, *node.outputs, *_held_at(graph, node), *before]))
+
+
+def _step_floors(graph: RematGraph, ancestors: list[int]) -> dict[str, tuple[int, str]]:
+    """Per needed node: (bytes alive while it runs in any schedule, why); the data they are is
+    `_alive_at`. Its inputs, outputs and workspace; for a backward node also the tangents and
+    the user's outputs (held through the backward) and the gradients its ancestors made (made
+    before it, never freed: the parameter gradients of a whole model, at its last backward
+    nodes). The gradients are summed as bit sets (those made by a node's ancestors), not
+    listed per node: a deep model has hundreds, and as many nodes after them."""
+    gradients = _gradients(graph)
+    count = len(graph.nodes)
+    made_bytes = np.zeros(count, dtype=np.int64)  # per node: bytes and number of the gradients it makes
+    made_count = np.zeros(count, dtype=np.int64)
+    grad_mask = 0
+    made_by = {}
+    for i, d in gradients:
+        made_bytes[i] += graph.data[d].size
+        made_count[i] += 1
+        grad_mask |= 1 << i
+        made_by[d] = i
+    width = (count + 7) // 8
     floors = {}
     for name in needed_nodes(graph):
         node = graph.node(name)
-        held = held_in_backward if node.backward else []
-        before = [d for i, d in gradients if ancestors[graph.index[name]] >> i & 1]
-        alive = list(dict.fromkeys([*node.inputs, *node.outputs, *held, *before]))
+        held = _held_at(graph, node)
+        own = dict.fromkeys([*node.inputs, *node.outputs, *held])
+        made_before = ancestors[graph.index[name]] & grad_mask
+        before_bytes = before_count = 0
+        if made_before:
+            members = np.unpackbits(np.frombuffer(made_before.to_bytes(width, "little"), dtype=np.uint8),
+                                    bitorder="little", count=count).astype(bool)
+            before_bytes, before_count = int(made_bytes[members].sum()), int(made_count[members].sum())
+        # Gradients made before it that it reads or holds anyway are counted once.
+        counted = [d for d in own if d in made_by and made_before >> made_by[d] & 1]
+        alive_bytes = _size(graph, own) + before_bytes - sum(graph.data[d].size for d in counted)
         reason = f"node {name} needs its inputs, outputs and workspace at once"
-        if set(alive) - {*node.inputs, *node.outputs}:
+        if set(held) - {*node.inputs, *node.outputs} or before_count > len(counted):
             reason += ", while the tangents, the user's outputs and the gradients made before it are held"
-        # Inputs it reads for the last time before its last op may die inside it, if freed.
-        freeable = set(node.inputs) - {*held, *before, *graph.tangents, *graph.backward_outputs}
-        floors[name] = (_size(graph, alive) + node.workspace - released_inside(graph, node, freeable), alive, reason)
+        # Inputs it reads for the last time before its last op may die inside it, if freed
+        # (the gradients made before it are backward outputs).
+        freeable = set(node.inputs) - {*held, *graph.tangents, *graph.backward_outputs}
+        floors[name] = (alive_bytes + node.workspace - released_inside(graph, node, freeable), reason)
     return floors
 
 
@@ -85,11 +124,11 @@ def memory_lower_bound(graph: RematGraph) -> tuple[int, str]:
                    "forward outputs and tangents alive together at the phase boundary"),
                   (_size(graph, [*graph.backward_outputs, *graph.user_outputs]),
                    "backward outputs and the user's forward outputs alive at the end")]
-    candidates += [(floor, reason) for floor, _, reason in _step_floors(graph, _ancestors(graph)).values()]
+    candidates += list(_step_floors(graph, _ancestors(graph)).values())
     return max(candidates)
 
 
-def time_lower_bound(graph: RematGraph, budget: int, steps: int = 64) -> tuple[float, str]:
+def time_lower_bound(graph: RematGraph, budget: int, steps: int = 64, closure: bool = True) -> tuple[float, str]:
     """(seconds, reason): no schedule within `budget` bytes runs faster than this.
 
     Every needed node runs once. Beyond that, take a node k: a value its descendants read,
@@ -100,9 +139,12 @@ def time_lower_bound(graph: RematGraph, budget: int, steps: int = 64) -> tuple[f
     with the highest floors, forward and backward. At the CLOSURE_STEPS moments the knapsacks
     rate tightest, a small MILP (`_remaking_time`) adds what the knapsack leaves out: a value
     made again needs its producer's inputs after k, alive at k or made again too. The bound
-    is the largest over the moments (on a language model, its loss's)."""
+    is the largest over the moments (on a language model, its loss's). Without `closure`, the
+    knapsacks' bound alone: weaker, and found in a fraction of the time."""
     needed = needed_nodes(graph)
     base = sum(graph.node(name).time for name in needed)
+    if solve_store_all(graph).predicted_peak <= budget:  # nothing need be made again: the knapsacks agree
+        return base, "every needed node runs once"
     ancestors = _ancestors(graph)
     descendants = _descendants(graph)
     floors = _step_floors(graph, ancestors)
@@ -112,8 +154,8 @@ def time_lower_bound(graph: RematGraph, budget: int, steps: int = 64) -> tuple[f
     rated: list[tuple[float, str, int]] = []  # (knapsack's extra time, node, bytes left for values)
     for name in moments:
         k = graph.index[name]
-        floor, alive, _ = floors[name]
-        exclude = set(alive)
+        floor, _ = floors[name]
+        exclude = set(_alive_at(graph, graph.nodes[k], ancestors))
         groups: list[tuple[float, int]] = []  # (producer time, bytes it leaves for k's descendants)
         forced = 0
         for p, producer in enumerate(graph.nodes):
@@ -140,12 +182,12 @@ def time_lower_bound(graph: RematGraph, budget: int, steps: int = 64) -> tuple[f
             why = (f"at node {_named(graph, name)} only {format_bytes(max(0, room))} are left for the "
                    "values its descendants read: the rest must be recomputed")
     deadline = time.perf_counter() + CLOSURE_TIME
-    for extra, name, room in sorted(rated, reverse=True)[:CLOSURE_STEPS]:
+    for extra, name, room in sorted(rated, reverse=True)[:CLOSURE_STEPS if closure else 0]:
         left = deadline - time.perf_counter()
         if extra <= 0 or left <= 0:  # where every value fits, so do the inputs of none remade
             break
-        remade = _remaking_time(graph, name, room, set(floors[name][1]) | held, ancestors, descendants,
-                                readers, left)
+        alive = set(_alive_at(graph, graph.node(name), ancestors)) | held
+        remade = _remaking_time(graph, name, room, alive, ancestors, descendants, readers, left)
         if remade > best:
             best = remade
             why = (f"at node {_named(graph, name)} only {format_bytes(max(0, room))} are left for the "
@@ -276,19 +318,60 @@ def _descendants(graph: RematGraph) -> list[int]:
     return result
 
 
+class _Remade:
+    """What the minimum-memory family remakes, per phase: values kept across stages (`persistent`:
+    what cannot be recomputed, and the checkpoints) and, per node, the nodes that running it
+    needs to run again first (`to_recompute` of its inputs), as bit sets. Each is the union of
+    those of the producers of the node's missing inputs, so each is computed once, in graph
+    order, not walked anew at every stage (a deep model's stages remake most of its forward)."""
+
+    def __init__(self, graph: RematGraph, checkpoints: Iterable[str] = ()) -> None:
+        persistent = set(graph.tangents) | set(checkpoints)
+        for node in graph.nodes:
+            if node.backward or node.random:
+                persistent.update(node.outputs)
+        # Tangents are at hand in the backward phase only.
+        self.available = {False: frozenset(d for d in persistent if graph.data[d].kind != "tangent"),
+                          True: frozenset(persistent)}
+        self.producer = {d: graph.index[dn.producer] for d, dn in graph.data.items() if dn.producer is not None}
+        self.count = len(graph.nodes)
+        self.remade: dict[bool, list[int]] = {}
+        for phase in (False, True):
+            remade: list[int] = []  # per node: itself and what running it again needs
+            for i, node in enumerate(graph.nodes):
+                remade.append(1 << i | self._missing(node, phase, remade))
+            self.remade[phase] = remade
+
+    def _missing(self, node: ComputeNode, phase: bool, remade: list[int]) -> int:
+        """A producer not before the node is in the set alone: the graph is not in topological
+        order, which `_read_before_produced` reports."""
+        bits = 0
+        available, producer = self.available[phase], self.producer
+        for d in node.inputs:
+            if d not in available and d in producer:
+                p = producer[d]
+                bits |= remade[p] if p < len(remade) else 1 << p
+        return bits
+
+    def missing(self, node: ComputeNode) -> int:
+        """The nodes to run again right before `node`, in its phase, as a bit set."""
+        return self._missing(node, node.backward, self.remade[node.backward])
+
+    def members(self, bits: int) -> np.ndarray:
+        """The bit set as a boolean mask over the graph's nodes."""
+        return np.unpackbits(np.frombuffer(bits.to_bytes((self.count + 7) // 8, "little"), dtype=np.uint8),
+                             bitorder="little", count=self.count).astype(bool)
+
+
 def min_memory_schedule(graph: RematGraph, checkpoints: Iterable[str] = (), solver: str = "min_memory",
                         forward_once: bool = False) -> Schedule:
     """Stage by stage in graph order, keep only values that cannot be recomputed (and the
     `checkpoints`) and recompute each missing forward activation (and its missing ancestors)
     right before it is read. With `forward_once`, the forward phase runs each node once (values
-    live until their last forward use) and only backward stages recompute."""
-    persistent = set(graph.tangents) | set(checkpoints)
-    for node in graph.nodes:
-        if node.backward or node.random:
-            persistent.update(node.outputs)
-    # Tangents are at hand in the backward phase only.
-    available_in = {False: frozenset(d for d in persistent if graph.data[d].kind != "tangent"),
-                    True: frozenset(persistent)}
+    live until their last forward use) and only backward stages recompute. The schedule is
+    quadratic in the graph's depth (a backward stage remakes the forward up to what it reads)."""
+    remade = _Remade(graph, checkpoints)
+    names = np.array([node.name for node in graph.nodes], dtype=object)
     computes: list[str] = []
     forward_count = 0
     forward_nodes = len(graph.forward_nodes)
@@ -298,27 +381,83 @@ def min_memory_schedule(graph: RematGraph, checkpoints: Iterable[str] = (), solv
         if forward_once and not node.backward:
             computes.append(node.name)
             continue
-        available = available_in[node.backward]
-        missing = to_recompute(graph, node.inputs, available)  # nodes to recompute in this stage
-        for producer in missing:
-            if graph.index[producer] >= t:
-                d = next(d for n in (node.name, *missing) for d in graph.node(n).inputs
-                         if graph.data[d].producer == producer)
-                raise ValueError(f"node {node.name} reads {d} before it is produced")
-        computes.extend(sorted(missing, key=graph.index.__getitem__))
+        missing = remade.missing(node)
+        if missing >> t:
+            _read_before_produced(graph, node)
+        if missing:
+            computes.extend(names[remade.members(missing)].tolist())  # in graph order
         computes.append(node.name)
     if forward_nodes == len(graph.nodes):
         forward_count = len(computes)
     return schedule_from_computes(graph, computes, forward_count, solver=solver)
 
 
+def min_memory_time_floor(graph: RematGraph) -> float:
+    """A lower bound on `min_memory_schedule(graph)`'s predicted time, without building it (its
+    replay is quadratic in depth). Each backward node a required output depends on runs once,
+    and everything its stage remakes is read on the way to it, so none of that is dropped as
+    dead work; every other node needed runs at least once. Summed in another order than the
+    schedule's, so compare it with a margin (`MIN_MEMORY_MARGIN`)."""
+    remade = _Remade(graph)
+    times = np.array([node.time for node in graph.nodes])
+    needed = needed_nodes(graph)
+    in_stages = 0  # the nodes some backward stage remakes
+    total = 0.0
+    for node in graph.backward_nodes:
+        if node.name in needed:
+            missing = remade.missing(node)
+            in_stages |= missing
+            total += node.time + float(times[remade.members(missing)].sum())
+    once = [n for n in graph.forward_nodes if n.name in needed and not in_stages >> graph.index[n.name] & 1]
+    return total + sum(n.time for n in once)
+
+
+# Relative margin for comparing `min_memory_time_floor` with a schedule's time: far above the
+# rounding of sums of a few million terms, far below any difference a plan choice turns on.
+MIN_MEMORY_MARGIN = 1e-9
+
+
+def _read_before_produced(graph: RematGraph, node: ComputeNode) -> None:
+    """ValueError naming a value that running `node` (again) needs, made by a node not before it."""
+    t = graph.index[node.name]
+    missing = to_recompute(graph, node.inputs, ())
+    d = next(d for n in (node.name, *missing) for d in graph.node(n).inputs
+             if (p := graph.data[d].producer) is not None and graph.index[p] >= t)
+    raise ValueError(f"node {node.name} reads {d} before it is produced")
+
+
 @dataclass
 class BudgetBounds:
+    """The proven memory floor and the constructive schedules near it. The minimum-memory
+    schedule, quadratic in the graph's depth, is built only when first asked for (`candidates`,
+    `schedule`, `upper`): a caller whose budget fits storing everything may need none of it
+    (`min_memory_slower_than_store_all`)."""
+
     lower: int  # proven: no schedule peaks below
     lower_reason: str
-    upper: int  # achieved by `schedule`
-    schedule: Schedule
-    candidates: list[Schedule]  # every constructive schedule tried (the baselines included)
+    baselines: list[Schedule]  # store-all, checkpointing every block, sqrt segments: linear in the graph
+    graph: RematGraph = field(repr=False)
+    _min_memory: Schedule | None = field(default=None, repr=False)
+
+    @property
+    def min_memory(self) -> Schedule:
+        if self._min_memory is None:
+            self._min_memory = min_memory_schedule(self.graph)
+        return self._min_memory
+
+    @property
+    def candidates(self) -> list[Schedule]:
+        """Every constructive schedule tried (the baselines, then the minimum-memory schedule)."""
+        return [*self.baselines, self.min_memory]
+
+    @property
+    def schedule(self) -> Schedule:
+        """The candidate with the least peak: the smallest budget known to fit."""
+        return min(self.candidates, key=lambda s: (s.predicted_peak, s.predicted_time))
+
+    @property
+    def upper(self) -> int:  # achieved by `schedule`
+        return self.schedule.predicted_peak
 
     @property
     def exact(self) -> bool:
@@ -336,10 +475,27 @@ class BudgetBounds:
 
 def budget_bounds(graph: RematGraph) -> BudgetBounds:
     lower, reason = memory_lower_bound(graph)
-    candidates = [solve_store_all(graph), solve_checkpoint_blocks(graph), solve_sqrt_segments(graph),
-                  min_memory_schedule(graph)]
-    best = min(candidates, key=lambda s: (s.predicted_peak, s.predicted_time))
-    return BudgetBounds(lower, reason, best.predicted_peak, best, candidates)
+    return BudgetBounds(lower, reason, [solve_store_all(graph), solve_checkpoint_blocks(graph),
+                                        solve_sqrt_segments(graph)], graph)
+
+
+def min_memory_slower_than_store_all(graph: RematGraph) -> bool:
+    """True when the minimum-memory schedule is surely slower than storing everything, seen
+    without building it: a forward node that takes time is read (through its outputs) by two
+    backward nodes that required outputs depend on. Each of those runs once and is kept, and
+    its stage remakes that node, so the node runs twice where storing everything runs it once,
+    and every other node needed runs at least once in both. False when that is not seen (it
+    may still hold): then build it to compare."""
+    needed = needed_nodes(graph)
+    total = sum(graph.node(name).time for name in needed)
+    for node in graph.forward_nodes:
+        if node.random or node.name not in needed or node.time <= 1e-9 * total:
+            continue  # (a margin far above the rounding of either schedule's summed time)
+        readers = {user for d in node.outputs for user in graph.users[d]
+                   if graph.node(user).backward and user in needed}
+        if len(readers) >= 2:
+            return True
+    return False
 
 
 def check_budget(graph: RematGraph, budget: int) -> BudgetBounds:

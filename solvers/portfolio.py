@@ -25,7 +25,13 @@ from collections.abc import Sequence
 
 from rkgraph.graph import RematGraph
 from rkgraph.units import format_bytes
-from solvers.bounds import check_budget, time_lower_bound
+from solvers.bounds import (
+    MIN_MEMORY_MARGIN,
+    check_budget,
+    min_memory_slower_than_store_all,
+    min_memory_time_floor,
+    time_lower_bound,
+)
 from solvers.chain import chain_blocks
 from solvers.dtr import solve_dtr
 from solvers.greedy_checkpoints import solve_greedy_checkpoints
@@ -115,28 +121,54 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
     start = time.perf_counter()
     bounds = check_budget(graph, budget)
     floor, floor_reason = time_lower_bound(graph, budget) if floor is None else floor
-    candidates = [s for s in bounds.candidates if s.predicted_peak <= budget]
+    store_all = bounds.baselines[0]
+    candidates = [s for s in bounds.baselines if s.predicted_peak <= budget]
     extra: dict[str, object] = {}
+    # The minimum-memory schedule (quadratic in depth) joins the candidates, at its place after
+    # the baselines, only where it may matter: where storing everything fits, unless it is
+    # provably slower; otherwise as a start of peak shaving (a schedule at most twice the
+    # graph's time), where nothing else fits, where its time may be the best, and before the
+    # chain (which cuts every candidate into block options) or the flat MILP (warm-started from
+    # them). Its time is bounded below without building it (`min_memory_time_floor`).
+    place = len(candidates)
+    pending = not (store_all.predicted_peak <= budget and min_memory_slower_than_store_all(graph))
+    slowest = None if store_all.predicted_peak <= budget or not pending else min_memory_time_floor(graph)
+
+    def min_memory_joins(unless_slower_than: float | None = None) -> None:
+        nonlocal pending
+        if pending and (unless_slower_than is None or slowest is None
+                        or slowest <= unless_slower_than * (1 + MIN_MEMORY_MARGIN)):
+            pending = False
+            if bounds.min_memory.predicted_peak <= budget:
+                candidates.insert(place, bounds.min_memory)
 
     def searching() -> bool:
         return not candidates or min(s.predicted_time for s in candidates) > floor * (1 + gap)
 
-    store_all = next(s for s in bounds.candidates if s.solver == "store_all")
-    if store_all.predicted_peak > budget:
+    if store_all.predicted_peak <= budget:
+        min_memory_joins()
+    else:
+        min_memory_joins(unless_slower_than=2 * sum(n.time for n in graph.nodes))  # a start of peak shaving
         # The heuristics first: they take a fraction of a second and often meet the floor, and
         # they beat the chain plan where the chain model is coarse.
         candidates += heuristic_candidates(graph, budget, time_limit=min(3.0, 0.8 * time_limit),
                                            good_enough=floor * (1 + gap), known=candidates)
+        if candidates:
+            min_memory_joins(unless_slower_than=min(s.predicted_time for s in candidates))
+        else:
+            min_memory_joins()
         forward_blocks, _ = chain_blocks(graph)
         time_left = time_limit - (time.perf_counter() - start)
         chain_time = not candidates or time_left > max(CHAIN_MIN_TIME, 0.2 * time_limit)
         if searching() and len(forward_blocks) > 1 and chain_time:
+            min_memory_joins()
             chained, found = chain_schedules(graph, budget, candidates, time_left, block_time_limit, slots)
             candidates += chained
             extra.update(found)
         remaining = time_limit - (time.perf_counter() - start)
         if (searching() and (len(forward_blocks) <= 1 or len(graph.nodes) <= FLAT_ILP_MAX_NODES)
                 and (not candidates or remaining > FLAT_ILP_MIN_LOOK)):
+            min_memory_joins()
             remaining = max(1.0, remaining)
             if candidates:
                 # Something already fits: the flat MILP rarely improves on it on whole models,

@@ -12,7 +12,6 @@ inputs, and theirs.
 
 from __future__ import annotations
 
-import bisect
 from collections import defaultdict
 from collections.abc import Collection, Container, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -188,59 +187,69 @@ def simulate(graph: RematGraph, schedule: Schedule, budget: int | None = None) -
         memory += sum(graph.data[d].size for d in tangents)
         note_peak(memory, where)
 
-    for i, op in enumerate(schedule.ops):
+    # Per node run: its distinct outputs and their bytes (looked up once, not at every run).
+    made: dict[str, tuple[frozenset[str], int]] = {}
+    size = {d: dn.size for d, dn in graph.data.items()}
+    nodes, index, reads, forward_length = graph.nodes, graph.index, graph.reads, schedule.forward_length
+    for i, (kind, name) in enumerate(schedule.ops):
         where = i  # formatted only into an error message: searches replay thousands of schedules
-        if i == schedule.forward_length:
+        if i == forward_length:
             if held is not None and held.copies:
                 memory += held.copies
                 note_peak(memory, where)
             enter_backward(where)
-        backward_phase = i >= schedule.forward_length
-        if op.kind == "compute":
-            if op.name not in graph.index:
-                raise fail(where, f"unknown compute node {op.name}")
-            node = graph.node(op.name)
+        backward_phase = i >= forward_length
+        if kind == "compute":
+            if name not in index:
+                raise fail(where, f"unknown compute node {name}")
+            node = nodes[index[name]]
             if node.backward and not backward_phase:
                 raise fail(where, "backward node computed in the forward phase")
-            if node.random and counts[op.name] >= 1:
+            if node.random and counts[name] >= 1:
                 raise fail(where, "random node computed twice (it would draw a different mask)")
-            for d in graph.reads[op.name]:
+            for d in reads[name]:
                 if d not in alive:
                     raise fail(where, f"input {d} is not alive")
-            outputs = set(node.outputs)
-            transient = sum(graph.data[d].size for d in outputs) + node.workspace
+            if name not in made:
+                outputs = frozenset(node.outputs)
+                made[name] = outputs, sum(size[d] for d in outputs)
+            outputs, transient = made[name]
+            transient += node.workspace
             if node.releases:
-                stop = schedule.forward_length if i < schedule.forward_length else len(schedule.ops)
+                stop = forward_length if i < forward_length else len(schedule.ops)
                 transient -= released_inside(graph, node, freed_with(schedule.ops, i, stop))
             if held is not None:
                 memory += held.before.get(i, 0)
                 transient += held.during.get(i, 0)
-            note_peak(memory + transient, where)
+            value = memory + transient
+            if value > peak:
+                note_peak(value, where)
             # An output that is already alive is replaced by the new value, not stored twice.
-            for d in outputs - alive:
-                memory += graph.data[d].size
-            alive |= outputs
-            counts[op.name] += 1
+            for d in outputs:
+                if d not in alive:
+                    alive.add(d)
+                    memory += size[d]
+            counts[name] += 1
             time += node.time
             if held is not None:
                 memory -= held.after.get(i, 0)
-        elif op.kind == "free":
-            if op.name not in graph.data:
-                raise fail(where, f"unknown data node {op.name}")
-            if graph.is_source(op.name):
-                raise fail(where, f"{op.name} is a source ({graph.data[op.name].kind}), never freed")
-            if op.name not in alive:
-                raise fail(where, f"{op.name} is not alive")
-            if backward_phase and op.name in user_outputs:
-                raise fail(where, f"{op.name} is returned to the user, who holds it until the step ends")
-            if op.name in backward_outputs:
-                raise fail(where, f"{op.name} is a backward output, returned when the backward ends")
-            if op.name in tangents:
-                raise fail(where, f"{op.name} is a tangent: autograd holds it until the backward returns")
-            alive.remove(op.name)
-            memory -= graph.data[op.name].size
+        elif kind == "free":
+            if name not in size:
+                raise fail(where, f"unknown data node {name}")
+            if graph.is_source(name):
+                raise fail(where, f"{name} is a source ({graph.data[name].kind}), never freed")
+            if name not in alive:
+                raise fail(where, f"{name} is not alive")
+            if backward_phase and name in user_outputs:
+                raise fail(where, f"{name} is returned to the user, who holds it until the step ends")
+            if name in backward_outputs:
+                raise fail(where, f"{name} is a backward output, returned when the backward ends")
+            if name in tangents:
+                raise fail(where, f"{name} is a tangent: autograd holds it until the backward returns")
+            alive.remove(name)
+            memory -= size[name]
         else:
-            raise fail(where, f"unknown op kind {op.kind!r}")
+            raise fail(where, f"unknown op kind {kind!r}")
         curve.append(memory)
 
     end = "end of schedule"
@@ -258,61 +267,6 @@ def simulate(graph: RematGraph, schedule: Schedule, budget: int | None = None) -
 # --- liveness -----------------------------------------------------------------------------
 
 
-class _Liveness:
-    """Def/use positions of every non-source data node in a compute sequence."""
-
-    def __init__(self, graph: RematGraph, computes: Sequence[str]) -> None:
-        self.defs: dict[str, list[int]] = defaultdict(list)
-        self.reads: dict[str, list[int]] = defaultdict(list)
-        for p, name in enumerate(computes):
-            for d in graph.reads[name]:
-                self.reads[d].append(p)
-            for d in graph.node(name).outputs:
-                self.defs[d].append(p)
-        self.length = len(computes)
-
-    def next_def(self, d: str, p: int) -> int:
-        """Position of the next computation of d after p (the sequence length if none)."""
-        defs = self.defs.get(d, [])
-        k = bisect.bisect_right(defs, p)
-        return defs[k] if k < len(defs) else self.length
-
-    def last_read(self, d: str, start: int, stop: int) -> int | None:
-        """Last position in [start, stop) that reads d, or None."""
-        reads = self.reads.get(d, [])
-        k = bisect.bisect_left(reads, stop) - 1
-        return reads[k] if k >= 0 and reads[k] >= start else None
-
-
-def _drop_dead(graph: RematGraph, computes: list[str], forward_count: int,
-               keep: frozenset[str]) -> tuple[list[str], int]:
-    """Remove computations none of whose outputs is read or required before being recomputed.
-
-    Solvers (the ILP especially, when a node costs nothing) may schedule useless work; removing
-    it can only lower time and memory, so it is done here once for all of them. One backward
-    sweep suffices: a compute's readers all come after it, so they are settled first.
-    """
-    fwd_out = set(graph.forward_outputs)
-    m = len(computes)
-    pending_reads: dict[str, int] = defaultdict(int)  # reads by kept ops before the next kept def
-    next_def: dict[str, int] = {}  # position of the next kept computation of each data
-    kept = [False] * m
-    for p in reversed(range(m)):
-        node = graph.node(computes[p])
-        kept[p] = any(pending_reads[d] > 0
-                      or (d in fwd_out and p < forward_count <= next_def.get(d, m))
-                      or (d in keep and d not in next_def)
-                      for d in node.outputs)
-        if kept[p]:
-            for d in node.outputs:
-                pending_reads[d] = 0
-                next_def[d] = p
-            for d in graph.reads[node.name]:
-                pending_reads[d] += 1
-    forward_count = sum(kept[:forward_count])
-    return [c for p, c in enumerate(computes) if kept[p]], forward_count
-
-
 def free_at_last_use(graph: RematGraph, computes: Sequence[str], forward_count: int,
                      keep: Iterable[str] = ()) -> tuple[list[Op], int]:
     """Turn an ordered list of compute nodes into ops with frees inserted as early as possible.
@@ -320,48 +274,73 @@ def free_at_last_use(graph: RematGraph, computes: Sequence[str], forward_count: 
     `computes[:forward_count]` run in the forward phase. Each computed value lives until its
     last read before the next computation of the same data (a recomputation starts a new
     lifetime), stretched to the phase boundary for forward outputs and to the end for backward
-    outputs and `keep`. Computations whose results are never used are dropped.
+    outputs and `keep`. Computations whose results are never used are dropped: solvers (the
+    ILP especially, when a node costs nothing) may schedule useless work, and removing it can
+    only lower time and memory, so it is done here once for all of them.
     Returns (ops, forward_length).
+
+    One backward sweep does both: a compute's readers all come after it, so when it is reached
+    they are settled (kept or dropped), and so are the next kept computation of each of its
+    outputs and the last kept read before it. Long schedules (a minimum-memory schedule remakes
+    the forward for every backward step) cost one pass over their ops.
     """
     # Outputs returned to the user are held by them until the step ends.
     # Tangents are held by autograd's call of the backward until it returns.
     keep_set = (frozenset(keep) | frozenset(graph.backward_outputs) | frozenset(graph.user_outputs)
                 | frozenset(graph.tangents))
-    computes, forward_count = _drop_dead(graph, list(computes), forward_count, keep_set)
     # Held values are never freed; recomputing one replaces it in place (counted once). A
     # backward output (a gradient) is returned when the backward ends: once made, it stays.
     held = frozenset(graph.user_outputs) | frozenset(graph.tangents) | frozenset(graph.backward_outputs)
-    live = _Liveness(graph, computes)
+    fwd_out = frozenset(graph.forward_outputs)
+    computes = list(computes)
     m = len(computes)
-    fwd_out = set(graph.forward_outputs)
-    frees_after: dict[int, list[str]] = defaultdict(list)
+    nodes, index, reads = graph.nodes, graph.index, graph.reads
+    last_read: dict[str, int] = {}  # data -> its last read by a kept compute before its next kept computation
+    next_def: dict[str, int] = {}  # data -> position of its next kept computation
+    kept = [False] * m
+    # (position, data, its last read or None, required at the boundary), last position first.
+    lifetimes: list[tuple[int, str, int | None, bool]] = []
+    for p in reversed(range(m)):
+        name = computes[p]
+        outputs = nodes[index[name]].outputs
+        # Kept when an output is read before it is made again, is a forward output made for
+        # the last time in the forward, or is kept to the end and made for the last time.
+        if not any(d in last_read or (d in fwd_out and p < forward_count <= next_def.get(d, m))
+                   or (d in keep_set and d not in next_def) for d in outputs):
+            continue
+        kept[p] = True
+        for d in reversed(outputs):
+            nxt = next_def.get(d, m)
+            if not (d in held or (d in keep_set and nxt == m)):
+                lifetimes.append((p, d, last_read.get(d), d in fwd_out and p < forward_count <= nxt))
+        for d in outputs:
+            last_read.pop(d, None)
+            next_def[d] = p
+        for d in reads[name]:
+            last_read.setdefault(d, p)
+    # Positions in the schedule without the dropped computations.
+    rank = [0] * (m + 1)
+    count = 0
+    for p in range(m):
+        rank[p] = count
+        count += kept[p]
+    rank[m] = count
+    kept_computes = [name for name, k in zip(computes, kept) if k]
+    forward_count = rank[forward_count]
+    frees_after: dict[int, list[str]] = {}
     boundary_frees: list[str] = []  # freed as the backward phase starts, once tangents appear
-
-    def place(d: str, made_at: int | None, stop: int, required_at_boundary: bool) -> None:
-        """Schedule the free of the value of d made at `made_at` (None: a tangent, made at the
-        boundary) and replaced at `stop`: after its last read, at the boundary if it is
-        required there and unread after it, right after its op if nobody reads it."""
-        if (d in keep_set and stop == m) or d in held:
-            return
-        start = forward_count if made_at is None else made_at + 1
-        last = live.last_read(d, start, stop)
-        if required_at_boundary and (last is None or last < forward_count):
+    for p, d, last, required_at_boundary in reversed(lifetimes):
+        # After its last read, at the boundary if it is required there and unread after it,
+        # right after its op if nobody reads it.
+        if required_at_boundary and (last is None or rank[last] < forward_count):
             boundary_frees.append(d)
-        elif last is not None:
-            frees_after[last].append(d)
         else:
-            assert made_at is not None  # tangents are required at the boundary
-            frees_after[made_at].append(d)
+            frees_after.setdefault(rank[p if last is None else last], []).append(d)
 
-    for p, name in enumerate(computes):
-        for d in graph.node(name).outputs:
-            nxt = live.next_def(d, p)
-            place(d, p, nxt, d in fwd_out and p < forward_count <= nxt)
-    for d in graph.tangents:
-        place(d, None, m, True)
-
+    m = len(kept_computes)
     ops: list[Op] = []
-    for p, name in enumerate(computes):
+    forward_length = 0
+    for p, name in enumerate(kept_computes):
         if p == forward_count:
             ops.extend(Op("free", d) for d in boundary_frees)
         ops.append(Op("compute", name))
@@ -369,8 +348,6 @@ def free_at_last_use(graph: RematGraph, computes: Sequence[str], forward_count: 
             ops.extend([Op("free", d) for d in frees_after[p]])
         if p == forward_count - 1:
             forward_length = len(ops)
-    if forward_count == 0:
-        forward_length = 0
     if forward_count == m:
         ops.extend(Op("free", d) for d in boundary_frees)
     return ops, forward_length

@@ -543,7 +543,8 @@ def test_long_sequences_plan_with_attention_fused() -> None:
     # The plan of autograd's graph, not run, is reported with why: slower, or none within the budget.
     (name, outcome), = rk.considered.items()
     assert name == "autograd's graph" and "also planned, not run: autograd's graph, " in rk.explain()
-    assert outcome == "no plan within the budget" or outcome >= rk.schedule.predicted_time
+    assert (outcome == "no plan within the budget" or str(outcome).startswith("not solved: its proven floor")
+            or outcome >= rk.schedule.predicted_time)
     # The variant shares autograd's graph's costs where it runs the same ops; its own ops are
     # costed as the reference was (estimated here).
     unfused = {n.name: n for n in stored.graph.nodes}

@@ -24,6 +24,7 @@ from typing import Literal
 
 import torch
 from torch import fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from rkgraph.capture import JointGraph
 from rkgraph.graph import RematGraph
@@ -116,7 +117,9 @@ def lean_variant(joint: JointGraph) -> JointGraph | None:
     # deep-copying its pytree specs makes torch warn (FutureWarning on LeafSpec) in users' logs.
     graph._codegen = joint.module.graph._codegen
     graph.output(graph.graph_copy(joint.module.graph, {}))  # nodes' meta is shared, not copied
-    module = fx.GraphModule(joint.module, graph)
+    # Lazy: its Python code is generated only if it is run (planning and code generation read
+    # its graph), not once here and again after the rewrites.
+    module = _LazyGraphModule(joint.module, graph)
     if not _run(module, "lean"):
         return None
     return dataclasses.replace(joint, module=module)
