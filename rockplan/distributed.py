@@ -104,6 +104,9 @@ class ShardedBlocks:
         self.blocks = [m for m in self.units if m is not model]  # the root gathers itself
         self._unsharded: dict[str, nn.Parameter] = {}  # a block's parameter's name -> FSDP2's unsharded one
         self.most_gathered = 0  # bytes of blocks the generated code holds gathered at once, over its plans
+        # The parameters as the model declares them (sharded, in their own dtype), for the plan
+        # key: FSDP2 swaps them for gathered ones, in a policy's `param_dtype`, in each step.
+        self.declared = tuple((p.dtype, p.device, p.requires_grad) for p in model.parameters())
         # The ranks sharing the model: those that must run one plan (`agree`).
         self.mesh = next(p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh"))
 

@@ -76,20 +76,23 @@ class PlannedStep:
     plan_time: float  # seconds: capture, profile and solve
 
 
-def _signature(model: nn.Module, args: tuple, kwargs: dict) -> tuple:
+def _signature(model: nn.Module, args: tuple, kwargs: dict, parameters: tuple | None = None) -> tuple:
     """What a plan was traced under, and so must hold again for it to apply (its guards):
     the inputs' structure, shapes, dtypes and devices; the parameters'; every submodule's
     train/eval mode (dropout and BatchNorm trace differently in each: a plan made in eval mode,
     as `from_pretrained` returns models, must not run after `train()`); autocast per device
     type of the tensors, with its dtype; the module hooks registered (the step calls those it
     was traced with, `rkgraph.hooks`). Grad mode needs no key: without it there is no
-    backward, and `forward` runs the plain model."""
+    backward, and `forward` runs the plain model. `parameters` stands for the parameters'
+    description where the model's engine changes them itself (FSDP2 swaps sharded and gathered
+    ones, in another dtype under a mixed-precision policy: `ShardedBlocks.declared`)."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     described = tuple(
         ("tensor", tuple(x.shape), x.dtype, x.device, x.requires_grad) if isinstance(x, torch.Tensor) else x
         for x in leaves
     )
-    parameters = tuple((p.dtype, p.device, p.requires_grad) for p in model.parameters())
+    if parameters is None:
+        parameters = tuple((p.dtype, p.device, p.requires_grad) for p in model.parameters())
     modes = tuple(m.training for m in model.modules())
     return (str(spec), described, parameters, modes, autocast_state(), hook_ids(model))
 
@@ -186,7 +189,7 @@ class Rockmate(nn.Module):
         self._replanned = False  # warned once, logged after
         self._warned_torch_compile = False
         args, kwargs = _split_sample(sample)
-        self._sample_signature = _signature(model, args, kwargs)
+        self._sample_signature = self._signature(args, kwargs)
         self._graph_breaks: GraphBreaks | None = None
         try:
             self._current = self._plan(args, kwargs)
@@ -260,6 +263,9 @@ class Rockmate(nn.Module):
         return {**self.__dict__, "_steps": OrderedDict(), "_current": None}
 
     # --- planning ------------------------------------------------------------------------------
+    def _signature(self, args: tuple, kwargs: dict) -> tuple:
+        return _signature(self.model, args, kwargs, None if self._sharded is None else self._sharded.declared)
+
     def _plan(self, args: tuple, kwargs: dict) -> PlannedStep:
         """Capture the step on fake tensors and plan it, inside AOTAutograd's partition step;
         with Inductor, measure the compiled step and plan again tighter while it exceeds the budget."""
@@ -270,7 +276,7 @@ class Rockmate(nn.Module):
         if self.backend == "inductor":
             step = self._fit_compiled_step(step, args, kwargs)
         step.plan_time = time.perf_counter() - start
-        self._steps[_signature(self.model, args, kwargs)] = step
+        self._steps[self._signature(args, kwargs)] = step
         while len(self._steps) > self.max_plans:
             self._steps.popitem(last=False)
         return step
@@ -358,7 +364,7 @@ class Rockmate(nn.Module):
         if under_torch_compile and not self._warned_torch_compile:
             self._warned_torch_compile = True
             warnings.warn(TORCH_COMPILE_WARNING, stacklevel=2)
-        signature = _signature(self.model, args, kwargs)
+        signature = self._signature(args, kwargs)
         step = self._steps.get(signature)
         if step is None:
             new = signature != self._sample_signature  # or the sample's plan was dropped, or not pickled
