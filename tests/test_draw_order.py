@@ -9,6 +9,7 @@ graph, and the simulator rejects a schedule whose first computations of draws ar
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +19,9 @@ from torch import nn
 from rkgraph.graph import ComputeNode, DataNode, RematGraph
 from rockplan import Rockmate
 from rockplan.memory import measure_step
+from rockplan.plan_file import export_plan
 from solvers import RUNTIME_SOLVERS, InfeasibleBudget, InvalidSchedule, simulate
+from solvers.bounds import min_memory_schedule
 from solvers.schedule import Schedule
 from solvers.simulate import free_at_last_use
 
@@ -63,6 +66,29 @@ def test_planned_step_draws_eager_masks(solver: str, budget: int) -> None:
     loss = eager(x)
     loss.backward()
     assert planned.peak <= budget and step.peak <= budget
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=f"gradient of {name}")
+
+
+def test_a_schedule_that_keeps_a_later_mask_draws_in_order(tmp_path: Path) -> None:
+    """Keeping the second mask and recomputing the others (a candidate of greedy_checkpoints'
+    search) used to drop the first mask's forward computation as dead, the mask being remade
+    where it is read: the second mask was then drawn first, and the step's gradients were not
+    eager's. Run here through a plan file, as a solver's schedule runs."""
+    torch.manual_seed(0)
+    x = torch.randn(512, 64)
+    model = _Dropouts()
+    eager = copy.deepcopy(model)
+    graph = Rockmate(copy.deepcopy(model), x, 1.0, solver="store_all", profile="estimate").graph
+    draws = [n for n in graph.nodes if n.rng]
+    schedule = min_memory_schedule(graph, [draws[1].outputs[0]])
+    first = [op.name for op in schedule.ops if op.kind == "compute" and graph.node(op.name).rng]
+    assert list(dict.fromkeys(first)) == [n.name for n in draws]
+    rk = Rockmate(model, x, 1.0, profile="estimate", plan_file=export_plan((graph, schedule), tmp_path / "plan.json"))
+    torch.manual_seed(5)
+    rk(x).backward()
+    torch.manual_seed(5)
+    eager(x).backward()
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=f"gradient of {name}")
 
