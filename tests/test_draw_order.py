@@ -41,7 +41,8 @@ class _Dropouts(nn.Module):
         return self.out(h).square().mean()
 
 
-# Below the store-all peak (about 3.6 MB): every solver that plans here recomputes.
+# Below the store-all schedule's peak: each solver that plans here, store_all and torch_budget
+# aside (their schedules free earlier), recomputes, masks included (replayed).
 BUDGETS = (2_500_000, 1_600_000)
 
 
