@@ -12,7 +12,7 @@ the group's head too (GELU's output remade by re-running the matmul before it).
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import fx
@@ -247,12 +247,37 @@ def build_graph(joint: JointGraph, name: str = "", replay_rng: bool = True) -> R
     user = storages_of(outputs[len(joint.mutated): n_fwd])
     forward_outputs = storages_of(outputs[:n_fwd]) + tuple(effects[False])
     gradients = storages_of(outputs[n_fwd:]) + tuple(effects[True])
+    nodes = order_run_once(nodes, data)
     # 4. Weight gradients as early as they can go where that frees more than it holds.
     nodes = hoist_gradients(nodes, data, frozenset(gradients), frozenset(forward_outputs))
     graph = RematGraph(nodes, data, forward_outputs, gradients, name=name,
                        user_outputs=tuple(d for d in user if data[d].kind not in SOURCE_KINDS))
     graph.validate()
     return graph
+
+
+def order_run_once(nodes: list[ComputeNode], data: dict[str, DataNode]) -> list[ComputeNode]:
+    """`nodes` with each one that draws, communicates or calls a hook (`random` or `rng`)
+    reading a zero-byte `order_only` value made by the previous one, so that every schedule
+    first computes them in graph order, as eager runs them.
+
+    Two dropouts that do not read each other's data are otherwise free to swap: with the same
+    seed, each would draw the other's mask (a recomputation replays its recorded state, so only
+    the first computation draws from the generator). Collectives must match across ranks, and
+    hooks run in the user's order. A dependency in the graph binds every solver, which
+    each orders its computations by the graph's data flow; the value weighs nothing, and code
+    generation, which emits the ops of a node's fx nodes, emits nothing for it."""
+    ordered: list[ComputeNode] = []
+    previous: str | None = None
+    for node in nodes:
+        if node.random or node.rng:
+            token = f"{node.name}.drawn"
+            data[token] = DataNode(token, 0, "activation", node.name, order_only=True)
+            inputs = node.inputs if previous is None else (*node.inputs, previous)
+            node = replace(node, inputs=inputs, outputs=(*node.outputs, token))
+            previous = token
+        ordered.append(node)
+    return ordered
 
 
 def hoist_gradients(nodes: list[ComputeNode], data: dict[str, DataNode], gradients: frozenset[str],

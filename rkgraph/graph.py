@@ -21,6 +21,12 @@ Memory semantics, shared by the simulator and every solver:
   recorded at their first run, so they may be recomputed like any other node. A node computed
   more than once holds its `rng_state` bytes from its first computation to its last, and each
   recomputation needs as much again while it runs (the state it puts back afterwards).
+- Nodes that draw random numbers, communicate or call a hook (`random` or `rng`) are first
+  computed in graph order, eager's: the generator's state at a draw depends on every draw
+  before it, and the ranks must issue their collectives in one order. Built graphs chain them
+  with zero-byte `order_only` values, so no schedule can do otherwise; the simulator checks it.
+  Such a value is held from its first computation to the step's end, as gradients are: a
+  recomputation of a draw reads it without remaking the draws before it.
 - A source flagged `mutated` (a buffer the step updates, as BatchNorm's running statistics) is
   copied at the end of the forward when a backward computation reads it, since the backward
   must see its value from before the update; the copy lives until its last backward read.
@@ -45,6 +51,9 @@ class DataNode:
     kind: str = "activation"  # one of DATA_KINDS
     producer: str | None = None  # compute node name; None for sources and tangents
     mutated: bool = False  # a source the step updates in place: a backward reading it reads a copy
+    # No tensor: a zero-byte value whose only use is to order its producer before its readers
+    # (`rkgraph.build.order_run_once`); held once made, and code generation emits nothing for it.
+    order_only: bool = False
 
 
 @dataclass
@@ -109,6 +118,9 @@ class RematGraph:
         # What the generated code holds beyond the data nodes (see the module's docstring).
         self.mutated_sources = frozenset(d for d, dn in self.data.items() if dn.mutated)
         self.rng_states: dict[str, int] = {n.name: n.rng_state for n in self.nodes if n.rng and n.rng_state}
+        # Zero-byte values that only order their producers (`DataNode.order_only`): once made,
+        # held to the step's end, so a recomputation that reads one never remakes its producer.
+        self.order_values = frozenset(d for d, dn in self.data.items() if dn.order_only)
 
     def __repr__(self) -> str:
         """One line of counts: the dataclass's own repr would list every node (tens of kilobytes)."""

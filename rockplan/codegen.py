@@ -100,7 +100,8 @@ class _Emitter:
 
 
 def saved_for_backward(graph: RematGraph, backward_ops: list[Any]) -> list[str]:
-    """Data the backward reads before (re)computing it: what the forward must hand over."""
+    """Data the backward reads before (re)computing it: what the forward must hand over (no
+    `order_only` value: those order the schedule and hold no tensor)."""
     saved: list[str] = []
     present: set[str] = set()
     for op in backward_ops:
@@ -109,7 +110,8 @@ def saved_for_backward(graph: RematGraph, backward_ops: list[Any]) -> list[str]:
             continue
         node = graph.node(op.name)
         for d in node.inputs:
-            if d not in present and graph.data[d].kind != "tangent" and d not in saved:
+            dn = graph.data[d]
+            if d not in present and dn.kind != "tangent" and not dn.order_only and d not in saved:
                 saved.append(d)
         present.update(node.outputs)
     return saved

@@ -149,7 +149,7 @@ def plan_document(graph: RematGraph, schedule: Schedule, reference: tuple[int, f
             "computed": decisions.computed[n.name], "recomputed": decisions.recomputations(n.name),
         })
     data = [{"name": d.name, "kind": d.kind, "size": d.size, "producer": d.producer, "mutated": d.mutated,
-             "decision": labels.get(d.name)} for d in graph.data.values()]
+             "order_only": d.order_only, "decision": labels.get(d.name)} for d in graph.data.values()]
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -212,7 +212,8 @@ def _graph_from_document(obj: dict[str, Any]) -> RematGraph:
                          fx_nodes=tuple(n["fx_nodes"]),
                          releases=tuple((tuple(read), after) for read, after in n.get("releases", ())))
              for n in obj["nodes"]]
-    data = {d["name"]: DataNode(d["name"], d["size"], d["kind"], d["producer"], d["mutated"]) for d in obj["data"]}
+    data = {d["name"]: DataNode(d["name"], d["size"], d["kind"], d["producer"], d["mutated"],
+                                    d.get("order_only", False)) for d in obj["data"]}
     graph = RematGraph(nodes, data, tuple(obj["forward_outputs"]), tuple(obj["backward_outputs"]), obj["name"],
                        [list(b) for b in obj["blocks"]], list(obj["block_classes"]), tuple(obj["user_outputs"]))
     # Not stored: the backward's blocks follow from the forward's by data flow, as when planning.

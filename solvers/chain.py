@@ -109,7 +109,7 @@ def block_subgraph(graph: RematGraph, forward: Sequence[str], backward: Sequence
                 data[d] = DataNode(d, graph.data[d].size if d in incoming else 0, "input")
     for d in produced:
         dn = graph.data[d]
-        data[d] = DataNode(d, 0 if d in unaccounted else dn.size, dn.kind, dn.producer)
+        data[d] = DataNode(d, 0 if d in unaccounted else dn.size, dn.kind, dn.producer, order_only=dn.order_only)
 
     def needed_outside(d: str, required: tuple[str, ...]) -> bool:
         return d in required or any(u not in inside for u in graph.users[d])

@@ -137,7 +137,8 @@ class _DtrRun:
         self.last_read = {d: reads[-1] if reads else -1 for d, reads in self.reads.items()}
         self.tangents = graph.tangents
         # Held to the end of the step (by the user, by autograd, as results): never dropped.
-        self.held = frozenset(graph.user_outputs) | frozenset(graph.backward_outputs) | frozenset(self.tangents)
+        self.held = (frozenset(graph.user_outputs) | frozenset(graph.backward_outputs) | frozenset(self.tangents)
+                     | graph.order_values)
         self.forward_outputs = frozenset(graph.forward_outputs)
         self.readers: dict[str, list[ComputeNode]] = {d: [graph.node(n) for n in users]
                                                       for d, users in graph.users.items()}

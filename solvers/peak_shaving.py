@@ -71,7 +71,7 @@ class _Family:
         self.tangents = graph.tangents
         excluded = {*graph.forward_outputs, *graph.user_outputs, *graph.backward_outputs, *self.tangents}
         self.droppable = {d for d, dn in graph.data.items()
-                          if dn.producer is not None and d not in excluded
+                          if dn.producer is not None and d not in excluded and not dn.order_only
                           and not graph.node(dn.producer).random}
         self.built: dict[frozenset[Drop], _Trial | None] = {}
         self.step_bytes = {n.name: sum(graph.data[d].size for d in n.outputs) + n.workspace for n in graph.nodes}

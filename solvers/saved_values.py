@@ -55,7 +55,8 @@ class _Family:
         self.gaps: dict[str, tuple[int, int]] = {}
         self.forward_only: set[str] = set()  # freed in the forward: remade if a recomputation reads them
         for d, dn in graph.data.items():
-            if dn.producer is None or graph.node(dn.producer).backward:
+            # Order values are held once made (`RematGraph.order_values`): never absent.
+            if dn.producer is None or dn.order_only or graph.node(dn.producer).backward:
                 continue
             made = graph.index[dn.producer]
             reads = [graph.index[u] for u in graph.users[d]]

@@ -50,15 +50,19 @@ class SimulationResult:
 def to_recompute(graph: RematGraph, data: Iterable[str], available: Container[str]) -> list[str]:
     """The nodes to run so that every value in `data` is at hand: the producer of each value
     that is not in `available` and has one (sources and tangents have none), preceded by what
-    that producer needs in turn, recursively. Depth first, inputs in order: each node once, in
-    an order it can run in. `available` is only read. Random nodes are not left out: a caller
-    that must not run one again checks the result, or counts its outputs as available."""
+    that producer needs in turn, recursively (not the producer of an order value: held once
+    made). Depth first, inputs in order: each node once, in an order it can run in.
+    `available` is only read. Random nodes are not left out: a caller that must not run one
+    again checks the result, or counts its outputs as available."""
     order: list[str] = []
     chosen: set[str] = set()
 
     def wanted(d: str) -> str | None:
         producer = graph.data[d].producer
-        return None if d in available or producer is None or producer in chosen else producer
+        # An order value is held once made, and its producer is first made in graph order.
+        if d in available or producer is None or producer in chosen or d in graph.order_values:
+            return None
+        return producer
 
     for root in data:
         first = wanted(root)
@@ -159,6 +163,7 @@ def simulate(graph: RematGraph, schedule: Schedule, budget: int | None = None) -
     tangents = frozenset(graph.tangents)
     held = _held_by_code(graph, schedule)
     held_into_backward = 0
+    last_run_once: str | None = None  # the latest random or rng node computed for the first time
 
     def fail(where: int | str, why: str, error: type[InvalidSchedule] = InvalidSchedule) -> InvalidSchedule:
         """`where`: an op's index, or a place in words ("end of schedule")."""
@@ -207,6 +212,11 @@ def simulate(graph: RematGraph, schedule: Schedule, budget: int | None = None) -
                 raise fail(where, "backward node computed in the forward phase")
             if node.random and counts[name] >= 1:
                 raise fail(where, "random node computed twice (it would draw a different mask)")
+            if (node.random or node.rng) and not counts.get(name):
+                if last_run_once is not None and index[name] < index[last_run_once]:
+                    raise fail(where, f"{name} is first computed after {last_run_once}, which follows it in "
+                                      "the graph: it would draw (or communicate) out of eager's order")
+                last_run_once = name
             for d in reads[name]:
                 if d not in alive:
                     raise fail(where, f"input {d} is not alive")
@@ -290,7 +300,9 @@ def free_at_last_use(graph: RematGraph, computes: Sequence[str], forward_count: 
                 | frozenset(graph.tangents))
     # Held values are never freed; recomputing one replaces it in place (counted once). A
     # backward output (a gradient) is returned when the backward ends: once made, it stays.
-    held = frozenset(graph.user_outputs) | frozenset(graph.tangents) | frozenset(graph.backward_outputs)
+    # Order values are held once made (zero bytes): a recomputed draw reads its predecessor's.
+    held = (frozenset(graph.user_outputs) | frozenset(graph.tangents) | frozenset(graph.backward_outputs)
+            | graph.order_values)
     fwd_out = frozenset(graph.forward_outputs)
     computes = list(computes)
     m = len(computes)

@@ -78,7 +78,7 @@ def test_sizes_match_real_tensors(net: Net) -> None:
     Recorder(joint, garbage_collect_values=False).run(*real)
     checked = 0
     for name, data in graph.data.items():
-        if data.kind == "activation":
+        if data.kind == "activation" and not data.order_only:  # an order value holds no tensor
             assert values[name].untyped_storage().nbytes() == data.size, name
             checked += 1
     assert checked > 20
@@ -201,15 +201,19 @@ def test_bilinear_upsample_keeps_its_aten_kernel() -> None:
 
 
 def test_dropout_output_is_recomputed_without_a_draw(net: Net) -> None:
-    """Captured on CPU, each dropout is a mask draw (no inputs, replayed as random) and the
-    mask's application, a node that draws nothing and reads the dropout's input and mask."""
+    """Captured on CPU, each dropout is a mask draw (no tensor inputs, replayed as random) and
+    the mask's application, a node that draws nothing and reads the dropout's input and mask.
+    Each draw reads the previous one's order value, so schedules draw in eager's order."""
     graph = rkgraph.capture(net, torch.randn(32, 8))
     ops = [n.op for n in graph.nodes]
     assert "aten.native_dropout.default" not in ops
     masks = [n for n in graph.nodes if n.op == "rkgraph.dropout_mask.default"]
-    assert len(masks) == 4 and all(n.rng and not n.inputs for n in masks)
+    assert len(masks) == 4 and all(n.rng for n in masks)
+    order = [tuple(d for d in n.outputs if graph.data[d].order_only) for n in masks]
+    assert all(len(o) == 1 for o in order)
+    assert [n.inputs for n in masks] == [(), *order[:-1]]
     for mask in masks:
-        (mask_data,) = mask.outputs
+        (mask_data,) = (d for d in mask.outputs if not graph.data[d].order_only)
         assert graph.data[mask_data].size == 32 * 16  # bool: a quarter of the output's bytes
         readers = [n for n in graph.nodes if mask_data in n.inputs]
         applied = [n for n in readers if not n.backward]
