@@ -305,11 +305,15 @@ def _worker(rank: int, port: int, out: str, backend: str = "gloo", scenarios: di
         dist.destroy_process_group()
 
 
+def run_ranks(out: Path, backend: str = "gloo", scenarios: dict | None = None) -> list[dict]:
+    """Each rank's results of `scenarios` (by default `SCENARIOS`), run in WORLD spawned processes."""
+    mp.spawn(_worker, args=(_free_port(), str(out), backend, scenarios), nprocs=WORLD, join=True)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    out = tmp_path_factory.mktemp("ranks")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return run_ranks(tmp_path_factory.mktemp("ranks"))
 
 
 def _scenario(ranks: list[dict], name: str) -> list[dict]:
@@ -450,9 +454,7 @@ def _fsdp_then_rockmate_on_cuda(rank: int) -> dict:
 @pytest.mark.parametrize("sharding", ["blocks", "root"])
 def test_rockmate_of_fsdp2_on_nccl_matches_eager_fsdp2_within_budget(tmp_path: Path, sharding: str) -> None:
     """The same as on gloo, one GPU per rank over NCCL, peaks read from the CUDA allocator."""
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path), "nccl", {"fsdp_first": _fsdp_then_rockmate_on_cuda}),
-             nprocs=WORLD, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    ranks = run_ranks(tmp_path, "nccl", {"fsdp_first": _fsdp_then_rockmate_on_cuda})
     results = [r[sharding] for r in _scenario(ranks, "fsdp_first")]
     _assert_same_gradients(results)
     for rank, r in enumerate(results):

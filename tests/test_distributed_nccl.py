@@ -14,18 +14,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
-import traceback
-from pathlib import Path
+import functools
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from rockplan import Rockmate
 from rockplan.memory import measure_step
-from tests.test_distributed import BUDGET, WORLD, _batch, _free_port, _gpt_with_loss, _gradients
+from tests.test_distributed import BUDGET, WORLD, _batch, _gpt_with_loss, _gradients, run_ranks
 
 pytestmark = [
     pytest.mark.cuda,
@@ -70,29 +67,13 @@ def _scenario(rank: int, engine: str, dtype: torch.dtype | None) -> dict:
             "peak": measured.peak, "budget": rk.budget, "engine_adds": max(0, eager_peak - unsharded)}
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=WORLD, device_id=torch.device("cuda", rank))
-    results = {}
-    try:
-        for engine in ("ddp", "fsdp"):
-            for precision, dtype in PRECISIONS.items():
-                try:
-                    results[engine, precision] = _scenario(rank, engine, dtype)
-                except Exception:  # reported by the scenario's test, the others still run
-                    results[engine, precision] = {"error": traceback.format_exc()}
-                dist.barrier()
-    finally:
-        torch.save(results, Path(out) / f"rank{rank}.pt")
-        dist.destroy_process_group()
+SCENARIOS = {f"{engine} {precision}": functools.partial(_scenario, engine=engine, dtype=dtype)
+             for engine in ("ddp", "fsdp") for precision, dtype in PRECISIONS.items()}
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    out = tmp_path_factory.mktemp("nccl_ranks")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return run_ranks(tmp_path_factory.mktemp("nccl_ranks"), "nccl", SCENARIOS)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -101,7 +82,7 @@ def test_engine_of_rockmate_on_nccl_matches_eager_within_budget(ranks: list[dict
                                                                  precision: str) -> None:
     results = []
     for rank, by_scenario in enumerate(ranks):
-        r = by_scenario[engine, precision]
+        r = by_scenario[f"{engine} {precision}"]
         if "error" in r:
             pytest.fail(f"rank {rank}, {engine} {precision}:\n{r['error']}")
         results.append(r)
