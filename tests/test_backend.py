@@ -131,6 +131,22 @@ def _predicted_store_all_peak(factory: Callable[[], nn.Module], x: torch.Tensor)
     return _predicted_step_peak(backend)
 
 
+def _input_and_budget(factory: Callable[[], nn.Module]) -> tuple[torch.Tensor, int]:
+    """The tests' input, and 0.9 of the model's measured store-everything peak on it."""
+    torch.manual_seed(0)
+    x = torch.randn(512, 64)
+    return x, int(0.9 * _store_all_peak(factory, x))
+
+
+def _compiled(factory: Callable[[], nn.Module], budget: int) -> tuple[nn.Module, nn.Module, rockplan.backend, Callable]:
+    """A seeded model, its eager twin, our backend at `budget`, and the model compiled with it."""
+    torch.manual_seed(0)
+    model = factory()
+    eager = copy.deepcopy(model)
+    backend = rockplan.backend(budget)
+    return model, eager, backend, torch.compile(model, backend=backend, dynamic=False)
+
+
 def _recomputes(backend: rockplan.backend) -> bool:
     return any(sum(op.kind == "compute" for op in g.plan.schedule.ops) > len(g.plan.graph.nodes)
                for g in backend.graphs)
@@ -138,14 +154,8 @@ def _recomputes(backend: rockplan.backend) -> bool:
 
 @pytest.mark.parametrize(("factory", "graphs"), [(_Branching, 2), (_ItemScaled, 2)])
 def test_graph_breaks_planned_within_one_budget(factory: Callable[[], nn.Module], graphs: int) -> None:
-    torch.manual_seed(0)
-    x = torch.randn(512, 64)
-    budget = int(0.9 * _store_all_peak(factory, x))
-    torch.manual_seed(0)
-    model = factory()
-    eager = copy.deepcopy(model)
-    backend = rockplan.backend(budget)
-    compiled = torch.compile(model, backend=backend, dynamic=False)
+    x, budget = _input_and_budget(factory)
+    model, eager, backend, compiled = _compiled(factory, budget)
     first = measure_step(_step, compiled, x)  # Dynamo captures and we plan inside this step
     torch.testing.assert_close(first.result, _step(eager, x), rtol=1e-5, atol=1e-6)
     _assert_same_step(model, eager)
@@ -176,14 +186,8 @@ def test_joint_split_is_faster_than_the_greedy_one() -> None:
     step (the graphs after it are unknown, and may use any); once both graphs are known, only
     those of the parameters later graphs use are, and the last graph gets that room to
     recompute less, within the same budget."""
-    torch.manual_seed(0)
-    x = torch.randn(512, 64)
-    budget = int(0.9 * _store_all_peak(_Branching, x))
-    torch.manual_seed(0)
-    model = _Branching()
-    eager = copy.deepcopy(model)
-    backend = rockplan.backend(budget)
-    compiled = torch.compile(model, backend=backend, dynamic=False)
+    x, budget = _input_and_budget(_Branching)
+    model, eager, backend, compiled = _compiled(_Branching, budget)
     for module in (compiled, eager):
         _step(module, x)
     greedy = list(backend.graphs)
@@ -217,11 +221,7 @@ def test_joint_split_holds_for_every_sequence_of_graphs_seen() -> None:
     # What storing everything is predicted to need: a graph first run in a later step (the
     # other branch) must find room beside what the graph before it holds, under either split.
     budget = max(_predicted_store_all_peak(_SignBranch, x), _predicted_store_all_peak(_SignBranch, -x))
-    torch.manual_seed(0)
-    model = _SignBranch()
-    eager = copy.deepcopy(model)
-    backend = rockplan.backend(budget)
-    compiled = torch.compile(model, backend=backend, dynamic=False)
+    model, eager, backend, compiled = _compiled(_SignBranch, budget)
     for inputs in (x, -x, x, -x):
         for module in (model, eager):
             module.zero_grad(set_to_none=True)
