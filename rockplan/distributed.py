@@ -165,6 +165,10 @@ class ShardedBlocks:
                 self.model.__dict__["forward"] = forward
             for unit, name, hooks in reversed(hooks_saved):
                 object.__setattr__(unit, name, hooks)
+            # Tracing runs the generated forward, which leaves the blocks it keeps gathered for
+            # the backward (`kept`) so: resharded here, where no backward follows.
+            for block in self.blocks:
+                block[0].reshard()
             for m, name, p in restore:
                 m._parameters[name] = p
             if values:
