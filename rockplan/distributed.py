@@ -89,7 +89,9 @@ class ShardedBlocks:
     The blocks' forwards, and so their hooks, do not run in a planned step; each block is
     gathered instead by the generated code where the plan reads its parameters, and resharded
     after their last read, in the forward and again in the backward (`gather_where_read`): as
-    eager FSDP2 holds a block, in the plan's order, recomputations included. The step's inputs
+    eager FSDP2 holds a block, in the plan's order, recomputations included; a block FSDP2 keeps
+    gathered after its forward (`reshard_after_forward=False`) is resharded in the backward only.
+    A block is one FSDP2 group: the modules of one `fully_shard` call. The step's inputs
     are the blocks' unsharded parameters as FSDP2 keeps them (their storage freed between
     gathers, refilled in place), so what the plan saves for the backward is gathered again
     before it is read. The gathers are calls between the plan's ops, not nodes of its graph:
@@ -271,12 +273,11 @@ def _insert_gathers(module: fx.GraphModule, block_of: dict[str, int], blocks: li
             aliases[node] = next(iter(touched))
     order = {node: i for i, node in enumerate(module.graph.nodes)}
     end = len(order)
-    held = [(-1, block) for block in held_on_entry]
     first = {block: order[nodes[0]] for block, nodes in reads.items()}
     last = {block: end if block in kept_on_exit else order[nodes[-1]] for block, nodes in reads.items()}
-    for _, block in held:
+    for block in held_on_entry:
         first[block] = -1
-        last.setdefault(block, end)
+        last.setdefault(block, end)  # not read here: resharded by FSDP2 after the backward
     changes = sorted([(first[b], sizes[b]) for b in first] + [(last[b] + 0.5, -sizes[b]) for b in last])
     gathered = most = 0
     for _, change in changes:
@@ -368,18 +369,20 @@ def check_fsdp_internals(units: list[nn.Module]) -> None:
     blocks are not gathered, or whose gradients are not reduced."""
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
-    try:
-        assert callable(getattr(FSDPState, _FSDP_FINAL_CALLBACK, None)), f"FSDPState.{_FSDP_FINAL_CALLBACK}"
-        for unit in units:
+    changed = [] if callable(getattr(FSDPState, _FSDP_FINAL_CALLBACK, None)) else [f"FSDPState.{_FSDP_FINAL_CALLBACK}"]
+    for unit in units:
+        try:
             registered = {k for name in _FORWARD_HOOK_DICTS for k in getattr(unit, name)}
-            ids = _forward_hook_ids(unit)
-            assert ids & registered, "FSDPState's forward hook handles"  # a group's, some on other modules
+            if not _forward_hook_ids(unit) & registered:  # a group's handles: some on its other modules
+                changed.append("FSDPState's forward hook handles are not its modules' forward hooks")
             _reshard_after_forward([unit])
-    except (AssertionError, AttributeError) as e:
+        except AttributeError as e:
+            changed.append(str(e))
+    if changed:
         raise RuntimeError(
             f"torch {torch.__version__} changed a private detail of FSDP2 that rockplan reads to run a model sharded "
-            f"from its root ({e}): rockplan supports it as torch 2.13 has it. Plan the unsharded model and shard the "
-            "planned module instead: fully_shard(Rockmate(model, sample, budget))") from e
+            f"from its root ({'; '.join(sorted(set(changed)))}): rockplan supports it as torch 2.13 has it. Plan the "
+            "unsharded model and shard the planned module instead: fully_shard(Rockmate(model, sample, budget))")
 
 
 def _forward_hook_ids(unit: nn.Module) -> set[int]:
@@ -390,12 +393,12 @@ def _forward_hook_ids(unit: nn.Module) -> set[int]:
 
 
 def _reshard_after_forward(group: list[nn.Module]) -> bool | None:
-    """FSDP2's `reshard_after_forward` of `group` as it runs it: True (resharded fully), False
-    (kept gathered to the backward), or None (resharded onto a smaller mesh: an int) or a group
-    without parameters."""
+    """FSDP2's `reshard_after_forward` of `group` as it runs it: True (resharded fully, or no
+    parameters to hold), False (kept gathered to the backward), or None (resharded onto a smaller
+    mesh: an int)."""
     param_groups = group[0]._get_fsdp_state()._fsdp_param_groups
     if not param_groups:
-        return None
+        return True
     post_forward = param_groups[0].post_forward_mesh_info
     if post_forward is None:
         return False
@@ -408,8 +411,7 @@ def _warn_partial_reshard(blocks: list[list[nn.Module]]) -> None:
     its forward hooks, which a planned step does not run, so the generated code reshards them
     fully, as `True` does. That holds less than eager FSDP2 (within the same memory rule) and
     gives the same gradients; only the backward's gathers span the whole mesh."""
-    partial = [type(block[0]).__name__ for block in blocks
-               if _reshard_after_forward(block) is None and block[0]._get_fsdp_state()._fsdp_param_groups]
+    partial = [type(block[0]).__name__ for block in blocks if _reshard_after_forward(block) is None]
     if partial:
         warnings.warn(f"{len(partial)} block(s) ({partial[0]}, ...) are sharded with an int reshard_after_forward: "
                       "a planned step reshards them fully after the forward (as reshard_after_forward=True), so the "
