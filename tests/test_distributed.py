@@ -297,19 +297,24 @@ def _fsdp_setups(rank: int) -> dict:
                          "budget": rk.budget, "fsdp_buffers": fsdp_buffer_bytes(rk), "recomputes": _recomputes(rk),
                          "gathered_after_forward": gathered_after_forward,
                          "reshard_after_forward": [_reshard_after_forward([b]) for b in rk.model.blocks]}
-
-    # Gradient accumulation: no gradient sync (no reduce-scatter) on the first micro-steps.
-    eager, sharded = _shard_each_block(copy.deepcopy(model)), _shard_each_block(copy.deepcopy(model))
-    rk = Rockmate(sharded, sample, BUDGET, profile="estimate")
-    reduced_after_first = []
-    for module, fsdp in ((eager, eager), (rk, sharded)):
-        for i, batch in enumerate(batches):
-            fsdp.set_requires_gradient_sync(i == len(batches) - 1)
-            _step(module, batch)
-            if i == 0:
-                reduced_after_first.append([p.grad is not None for p in fsdp.parameters()])
-    results["accumulated"] = {"eager": _gradients(eager), "planned": _gradients(rk),
-                              "reduced_after_first": reduced_after_first}
+        # A shorter input is planned inside its step (its traced forward gathers the blocks).
+        for module in (eager, rk):
+            module.zero_grad()
+        with pytest.warns(UserWarning, match="planned for a new input"):
+            _step(rk, batches[1][:, :32])
+        _step(eager, batches[1][:, :32])
+        results[name + ", shorter input"] = {"eager": _gradients(eager), "planned": _gradients(rk)}
+        # Gradient accumulation: no gradient sync (no reduce-scatter) on the first micro-steps.
+        reduced_after_first = []
+        for module, fsdp in ((eager, eager), (rk, rk.model)):
+            module.zero_grad()
+            for i, batch in enumerate(batches):
+                fsdp.set_requires_gradient_sync(i == len(batches) - 1)
+                _step(module, batch)
+                if i == 0:
+                    reduced_after_first.append([p.grad is not None for p in fsdp.parameters()])
+        results[name + ", accumulated"] = {"eager": _gradients(eager), "planned": _gradients(rk),
+                                           "reduced_after_first": reduced_after_first}
 
     # A graph break: refused, saying what to do; the order it names works.
     branching, _ = _tied_blocks(value_branch=True)
@@ -542,6 +547,11 @@ def test_rockmate_of_fsdp2_setups_match_eager_fsdp2_within_budget(ranks: list[di
               {k: v for k, v in r.items() if k not in ("eager", "planned")})
 
 
+@pytest.mark.parametrize("setup", ["grouped", "kept"])
+def test_rockmate_of_fsdp2_setups_plan_a_new_input_inside_the_step(ranks: list[dict], setup: str) -> None:
+    _assert_same_gradients([r[setup + ", shorter input"] for r in _scenario(ranks, "fsdp_setups")])
+
+
 def test_rockmate_of_fsdp2_keeps_blocks_gathered_after_forward_as_eager(ranks: list[dict]) -> None:
     """A block sharded with `reshard_after_forward=False` stays gathered from the forward to the
     backward in the planned step, as in eager FSDP2; the others are resharded."""
@@ -552,10 +562,11 @@ def test_rockmate_of_fsdp2_keeps_blocks_gathered_after_forward_as_eager(ranks: l
         assert r["reshard_after_forward"] == [not keep for keep in KEEP]
 
 
-def test_rockmate_of_fsdp2_accumulates_without_gradient_sync_as_eager(ranks: list[dict]) -> None:
+@pytest.mark.parametrize("setup", ["grouped", "kept"])
+def test_rockmate_of_fsdp2_accumulates_without_gradient_sync_as_eager(ranks: list[dict], setup: str) -> None:
     """`set_requires_gradient_sync(False)` on the first micro-steps: no reduce-scatter there (no
     sharded gradient yet), then eager FSDP2's accumulated gradients after the last."""
-    results = [r["accumulated"] for r in _scenario(ranks, "fsdp_setups")]
+    results = [r[setup + ", accumulated"] for r in _scenario(ranks, "fsdp_setups")]
     for r in results:
         eager, planned = r["reduced_after_first"]
         assert not any(eager) and planned == eager
