@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,7 +26,7 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from rkgraph.build import is_view
-from rkgraph.capture import FlatCall, JointGraph, is_tangent
+from rkgraph.capture import CaptureError, FlatCall, JointGraph, is_tangent
 from rkgraph.graph import RematGraph
 from rockplan.planner import Plan, PlanOptions, reuse
 from solvers.schedule import Schedule
@@ -88,7 +89,9 @@ class ShardedBlocks:
     The blocks' forwards, and so their hooks, do not run in a planned step; each block is
     gathered instead by the generated code where the plan reads its parameters, and resharded
     after their last read, in the forward and again in the backward (`gather_where_read`): as
-    eager FSDP2 holds a block, in the plan's order, recomputations included. The step's inputs
+    eager FSDP2 holds a block, in the plan's order, recomputations included; a block FSDP2 keeps
+    gathered after its forward (`reshard_after_forward=False`) is resharded in the backward only.
+    A block is one FSDP2 group: the modules of one `fully_shard` call. The step's inputs
     are the blocks' unsharded parameters as FSDP2 keeps them (their storage freed between
     gathers, refilled in place), so what the plan saves for the backward is gathered again
     before it is read. The gathers are calls between the plan's ops, not nodes of its graph:
@@ -101,7 +104,20 @@ class ShardedBlocks:
 
         self.model = model
         self.units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        self.blocks = [m for m in self.units if m is not model]  # the root gathers itself
+        check_fsdp_internals(self.units)
+        # FSDP2's groups, each the modules one `fully_shard` call took (`fully_shard([a, b])`
+        # makes a and b one group, with one state): a group is gathered and resharded whole,
+        # whichever of its modules is asked to.
+        by_state: dict[int, list[nn.Module]] = {}
+        for unit in self.units:
+            by_state.setdefault(id(unit._get_fsdp_state()), []).append(unit)
+        self.groups = list(by_state.values())
+        self.blocks = [g for g in self.groups if model not in g]  # the root gathers itself
+        # Blocks FSDP2 keeps gathered from their forward to their backward
+        # (`reshard_after_forward=False`): so does the generated code. A block resharded onto a
+        # smaller mesh after its forward (an int) is resharded fully (`_warn_partial_reshard`).
+        self.kept = {i for i, block in enumerate(self.blocks) if _reshard_after_forward(block) is False}
+        _warn_partial_reshard(self.blocks)
         self._unsharded: dict[str, nn.Parameter] = {}  # a block's parameter's name -> FSDP2's unsharded one
         self.most_gathered = 0  # bytes of blocks the generated code holds gathered at once, over its plans
         # The parameters as the model declares them (sharded, in their own dtype), for the plan
@@ -123,14 +139,14 @@ class ShardedBlocks:
         planning inside a step (a new input) leaves the root gathered, as its hooks left it."""
         from torch.distributed.tensor import DTensor
 
-        sharded = [unit for unit in self.units if any(isinstance(p, DTensor) for p in _group(unit))]
+        sharded = [group for group in self.groups if any(isinstance(p, DTensor) for p in _group(group))]
         swapped: list[tuple[nn.Module, str, nn.Parameter]] = []  # (module, name, the unsharded parameter)
-        for unit in sharded:
-            unit.unshard()
+        for group in sharded:
+            group[0].unshard()
             if not values:
-                swapped += [(m, name, p) for m in unit.modules() for name, p in m._parameters.items()
+                swapped += [(m, name, p) for unit in group for m in unit.modules() for name, p in m._parameters.items()
                             if p is not None and not isinstance(p, DTensor)]
-                unit.reshard()
+                group[0].reshard()
         restore = [(m, name, m._parameters[name]) for m, name, _ in swapped]
         for m, name, p in swapped:
             m._parameters[name] = p
@@ -138,8 +154,7 @@ class ShardedBlocks:
                            if any(p is q for block in self.blocks for q in _group(block))}
         hooks_saved = []
         for unit in self.units:
-            state = unit._get_fsdp_state()
-            ids = {state._pre_forward_hook_handle.id, state._post_forward_hook_handle.id}
+            ids = _forward_hook_ids(unit)
             for name in _FORWARD_HOOK_DICTS:
                 hooks = getattr(unit, name)
                 hooks_saved.append((unit, name, hooks))
@@ -152,11 +167,15 @@ class ShardedBlocks:
                 self.model.__dict__["forward"] = forward
             for unit, name, hooks in reversed(hooks_saved):
                 object.__setattr__(unit, name, hooks)
+            # Tracing runs the generated forward, which leaves the blocks it keeps gathered for
+            # the backward (`kept`) so: resharded here, where no backward follows.
+            for block in self.blocks:
+                block[0].reshard()
             for m, name, p in restore:
                 m._parameters[name] = p
             if values:
-                for unit in sharded:
-                    unit.reshard()
+                for group in sharded:
+                    group[0].reshard()
 
     def agree(self, mine: Plan, joint: JointGraph, budget: int | float | str, options: PlanOptions,
               real: list[torch.Tensor] | None) -> Plan:
@@ -198,7 +217,8 @@ class ShardedBlocks:
     def gather_where_read(self, forward: fx.GraphModule, backward: fx.GraphModule,
                           joint: JointGraph) -> tuple[fx.GraphModule, fx.GraphModule]:
         """`forward` and `backward` with each block gathered before the first op that reads
-        its parameters and resharded after the last one."""
+        its parameters and resharded after the last one; a block FSDP2 keeps gathered after its
+        forward (`kept`) is resharded in the backward only."""
         primals = [n.name for n in joint.module.graph.find_nodes(op="placeholder") if not is_tangent(n)]
         block_of = {}
         for primal, kind, name in zip(primals, joint.input_kinds, joint.input_names):
@@ -206,9 +226,21 @@ class ShardedBlocks:
                 block_of[primal] = next(i for i, b in enumerate(self.blocks)
                                         if any(self._unsharded[name] is q for q in _group(b)))
         sizes = [sum(map(_whole_bytes, _group(block))) for block in self.blocks]
-        for module in (forward, backward):
-            self.most_gathered = max(self.most_gathered, _insert_gathers(module, block_of, self.blocks, sizes))
+        most, read = _insert_gathers(forward, block_of, self.blocks, sizes, kept_on_exit=self.kept)
+        self.most_gathered = max(self.most_gathered, most)
+        most, _ = _insert_gathers(backward, block_of, self.blocks, sizes, held_on_entry=self.kept & read)
+        self.most_gathered = max(self.most_gathered, most)
         return forward, backward
+
+    def graph_break_error(self, error: CaptureError) -> CaptureError:
+        """`error` (the model's forward does not capture as one graph, where Dynamo would break
+        it) with what to do for a sharded model: a model with graph breaks is planned one Dynamo
+        graph at a time, run by torch.compile, between which nothing could gather the blocks."""
+        return CaptureError(
+            f"{error}\n{type(self.model).__name__} is sharded by FSDP2 block by block, which rockplan runs as one "
+            "planned graph, gathering each block between its ops; a model with graph breaks is planned one graph at a "
+            "time and cannot be. Remove the graph break, or plan the unsharded model and shard the planned module as "
+            "one group: fully_shard(Rockmate(model, sample, budget))")
 
     def __call__(self, planned_step: Callable[[tuple, dict], Any], args: tuple, kwargs: dict) -> Any:
         """`planned_step(args, kwargs)` run as the root's forward, inside its FSDP2 hooks."""
@@ -219,12 +251,15 @@ class ShardedBlocks:
             self.model.__dict__.pop("forward", None)
 
 
-def _insert_gathers(module: fx.GraphModule, block_of: dict[str, int], blocks: list[nn.Module],
-                    sizes: list[int]) -> int:
-    """Insert `blocks[i].unshard()` before the first node of `module` that reads (or views)
-    block i's parameter placeholders (named in `block_of`), and `blocks[i].reshard()` after the
-    last one; the output (a parameter handed to the backward) is no read. Returns the most
-    bytes of blocks gathered at once (`sizes[i]`: block i's)."""
+def _insert_gathers(module: fx.GraphModule, block_of: dict[str, int], blocks: list[list[nn.Module]],
+                    sizes: list[int], held_on_entry: set[int] = frozenset(),
+                    kept_on_exit: set[int] = frozenset()) -> tuple[int, set[int]]:
+    """Insert a gather of block i before the first node of `module` that reads (or views)
+    block i's parameter placeholders (named in `block_of`), and its reshard after the last one,
+    unless i is in `kept_on_exit` (then it stays gathered past the module's end); the output (a
+    parameter handed to the backward) is no read. Blocks in `held_on_entry` are gathered when
+    the module starts (their gather is then a no-op). Returns the most bytes of blocks gathered
+    at once (`sizes[i]`: block i's) and the blocks read."""
     reads: dict[int, list[fx.Node]] = {}
     aliases: dict[fx.Node, int] = {n: block_of[n.name] for n in module.graph.find_nodes(op="placeholder")
                                    if n.name in block_of}
@@ -237,19 +272,25 @@ def _insert_gathers(module: fx.GraphModule, block_of: dict[str, int], blocks: li
         if touched and is_view(node):
             aliases[node] = next(iter(touched))
     order = {node: i for i, node in enumerate(module.graph.nodes)}
-    changes = sorted([(order[nodes[0]], sizes[block]) for block, nodes in reads.items()]
-                     + [(order[nodes[-1]] + 0.5, -sizes[block]) for block, nodes in reads.items()])
+    end = len(order)
+    first = {block: order[nodes[0]] for block, nodes in reads.items()}
+    last = {block: end if block in kept_on_exit else order[nodes[-1]] for block, nodes in reads.items()}
+    for block in held_on_entry:
+        first[block] = -1
+        last.setdefault(block, end)  # not read here: resharded by FSDP2 after the backward
+    changes = sorted([(first[b], sizes[b]) for b in first] + [(last[b] + 0.5, -sizes[b]) for b in last])
     gathered = most = 0
     for _, change in changes:
         gathered += change
         most = max(most, gathered)
     for block, nodes in reads.items():
         with module.graph.inserting_before(nodes[0]):
-            module.graph.call_function(_Gather(blocks[block], "unshard"))
-        with module.graph.inserting_after(nodes[-1]):
-            module.graph.call_function(_Gather(blocks[block], "reshard"))
+            module.graph.call_function(_Gather(blocks[block][0], "unshard"))
+        if block not in kept_on_exit:
+            with module.graph.inserting_after(nodes[-1]):
+                module.graph.call_function(_Gather(blocks[block][0], "reshard"))
     module.recompile()
-    return most
+    return most, set(reads)
 
 
 class _Gather:
@@ -277,8 +318,8 @@ def fsdp_buffer_bytes(rk: nn.Module) -> int:
     sharded: ShardedBlocks | None = getattr(rk, "_sharded", None)
     if sharded is None:
         raise ValueError(f"{type(rk).__name__} is not a Rockmate of a model sharded by FSDP2 from its root")
-    groups = [sum(map(_whole_bytes, _group(unit))) for unit in sharded.units]
-    root = sum(map(_whole_bytes, _group(sharded.model))) if sharded.model in sharded.units else 0
+    groups = [sum(map(_whole_bytes, _group(group))) for group in sharded.groups]
+    root = sum(map(_whole_bytes, _group([sharded.model]))) if sharded.model in sharded.units else 0
     largest = max(groups, default=0)
     return root + sharded.most_gathered + largest + largest // dist.get_world_size()
 
@@ -296,13 +337,86 @@ def _whole_bytes(p: torch.Tensor) -> int:
     return p.numel() * p.element_size()  # a DTensor's numel is the whole tensor's
 
 
-def _group(unit: nn.Module) -> list[nn.Parameter]:
-    """The parameters of FSDP2's group of `unit`: its module's, less those of groups nested in it."""
+def _group(modules: list[nn.Module]) -> list[nn.Parameter]:
+    """The parameters of FSDP2's group of `modules` (the modules one `fully_shard` call took):
+    theirs, less those of groups nested in them, each once (a tied one included)."""
     from torch.distributed.fsdp import FSDPModule
 
-    nested = {id(p) for sub in unit.modules() if sub is not unit and isinstance(sub, FSDPModule)
+    nested = {id(p) for unit in modules for sub in unit.modules() if sub not in modules and isinstance(sub, FSDPModule)
               for p in sub.parameters()}
-    return [p for p in unit.parameters() if id(p) not in nested]
+    found = {id(p): p for unit in modules for p in unit.parameters() if id(p) not in nested}
+    return list(found.values())
+
+
+# FSDP2's private details this module relies on (torch 2.13; `check_fsdp_internals` fails
+# loudly where a torch release changes them, and tests/test_distributed.py checks each):
+# - `FSDPModule._get_fsdp_state()`: a group's state, one per `fully_shard` call (so the groups).
+# - `FSDPState._pre_forward_hook_handle` and `_post_forward_hook_handle`: the handles of the
+#   forward hooks FSDP2 registers on a group's modules (for `fully_shard([a, b])` one
+#   `_MultiHandle` whose `handles` are every module's), set aside while planning (`planning`).
+# - `FSDPState._fsdp_param_groups` and `FSDPParamGroup.post_forward_mesh_info` and `mesh_info`:
+#   whether a group reshards after its forward, fully or onto a smaller mesh (`_reshard_after_forward`).
+# - `FSDPState._root_post_backward_final_callback`, queued by the root's pre-backward hook: it
+#   runs the post-backward (reduce-scatter, or accumulation without gradient sync, then the
+#   reshard) of every group whose own backward hook did not fire, which is how the blocks'
+#   gradients, computed inside the planned step, reach FSDP2.
+_FSDP_FINAL_CALLBACK = "_root_post_backward_final_callback"
+
+
+def check_fsdp_internals(units: list[nn.Module]) -> None:
+    """Raise RuntimeError if FSDP2's private details listed above are not as this module
+    reads them (a torch release changed them): a sharded model would otherwise run a step whose
+    blocks are not gathered, or whose gradients are not reduced."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    changed = [] if callable(getattr(FSDPState, _FSDP_FINAL_CALLBACK, None)) else [f"FSDPState.{_FSDP_FINAL_CALLBACK}"]
+    for unit in units:
+        try:
+            registered = {k for name in _FORWARD_HOOK_DICTS for k in getattr(unit, name)}
+            if not _forward_hook_ids(unit) & registered:  # a group's handles: some on its other modules
+                changed.append("FSDPState's forward hook handles are not its modules' forward hooks")
+            _reshard_after_forward([unit])
+        except AttributeError as e:
+            changed.append(str(e))
+    if changed:
+        raise RuntimeError(
+            f"torch {torch.__version__} changed a private detail of FSDP2 that rockplan reads to run a model sharded "
+            f"from its root ({'; '.join(sorted(set(changed)))}): rockplan supports it as torch 2.13 has it. Plan the "
+            "unsharded model and shard the planned module instead: fully_shard(Rockmate(model, sample, budget))")
+
+
+def _forward_hook_ids(unit: nn.Module) -> set[int]:
+    """The keys of FSDP2's forward hooks on `unit` in its hook dicts (its group's, all modules')."""
+    state = unit._get_fsdp_state()
+    handles = [state._pre_forward_hook_handle, state._post_forward_hook_handle]
+    return {h.id for handle in handles for h in getattr(handle, "handles", (handle,))}
+
+
+def _reshard_after_forward(group: list[nn.Module]) -> bool | None:
+    """FSDP2's `reshard_after_forward` of `group` as it runs it: True (resharded fully, or no
+    parameters to hold), False (kept gathered to the backward), or None (resharded onto a smaller
+    mesh: an int)."""
+    param_groups = group[0]._get_fsdp_state()._fsdp_param_groups
+    if not param_groups:
+        return True
+    post_forward = param_groups[0].post_forward_mesh_info
+    if post_forward is None:
+        return False
+    return True if post_forward == param_groups[0].mesh_info else None
+
+
+def _warn_partial_reshard(blocks: list[list[nn.Module]]) -> None:
+    """Warn about blocks sharded with an int `reshard_after_forward` (resharded after the
+    forward onto a smaller mesh, for a backward gather within it): FSDP2 does that only inside
+    its forward hooks, which a planned step does not run, so the generated code reshards them
+    fully, as `True` does. That holds less than eager FSDP2 (within the same memory rule) and
+    gives the same gradients; only the backward's gathers span the whole mesh."""
+    partial = [type(block[0]).__name__ for block in blocks if _reshard_after_forward(block) is None]
+    if partial:
+        warnings.warn(f"{len(partial)} block(s) ({partial[0]}, ...) are sharded with an int reshard_after_forward: "
+                      "a planned step reshards them fully after the forward (as reshard_after_forward=True), so the "
+                      "backward gathers them over the whole mesh; pass True, or False to keep them gathered",
+                      stacklevel=4)
 
 
 _FORWARD_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",

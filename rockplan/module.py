@@ -194,8 +194,10 @@ class Rockmate(nn.Module):
         try:
             self._current = self._plan(args, kwargs)
         except CaptureError as e:  # not one graph: Dynamo splits it, each graph planned in the first step
-            if not splits_into_graphs(e) or self._sharded is not None:
+            if not splits_into_graphs(e):
                 raise
+            if self._sharded is not None:
+                raise self._sharded.graph_break_error(e) from e
             self._current, self._graph_breaks = None, GraphBreaks(model, budget, self.options, e)
 
     # --- what users read -------------------------------------------------------------------
