@@ -298,8 +298,8 @@ def hoist_gradients(nodes: list[ComputeNode], data: dict[str, DataNode], gradien
             readers.setdefault(d, []).append(n.name)
     order = list(nodes)
     backward_start = next((i for i, n in enumerate(nodes) if n.backward), len(nodes))
+    position = {m.name: i for i, m in enumerate(order)}  # kept up to date as nodes move
     for node in [n for n in nodes if n.backward and n.outputs and all(d in gradients for d in n.outputs)]:
-        position = {m.name: i for i, m in enumerate(order)}
         at = position[node.name]
         producers = [position[data[d].producer] for d in node.inputs if data[d].producer is not None]
         earliest = max(backward_start, 1 + max(producers, default=-1))
@@ -310,6 +310,8 @@ def hoist_gradients(nodes: list[ComputeNode], data: dict[str, DataNode], gradien
                     and all(position[r] < earliest for r in readers[d] if r != node.name))
         if freed > sum(data[d].size for d in node.outputs):
             order.insert(earliest, order.pop(at))
+            for i in range(earliest, at + 1):  # only the nodes it passed moved
+                position[order[i].name] = i
     return order
 
 

@@ -11,15 +11,17 @@ the joint graph from here.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import dataclasses
 import functools
+import gc
 import inspect
 import logging
 import sys
 import traceback
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,7 @@ import torch
 import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 from torch import fx
-from torch._functorch.aot_autograd import aot_function, make_boxed_compiler
+from torch._functorch.aot_autograd import aot_function, make_boxed_compiler, make_boxed_func
 from torch._functorch.partitioners import default_partition
 from torch._subclasses import FakeTensor, FakeTensorMode
 from torch.func import functional_call
@@ -228,12 +230,47 @@ def training_function(
     compiler = _planning_step(compiler or make_boxed_compiler(lambda gm, _inputs: gm))
     return aot_function(
         flat_fn,
-        fw_compiler=compiler,
+        fw_compiler=_not_run_by_trace(compiler),
         bw_compiler=compiler,
         partition_fn=_planning_step(partition_fn),
         decompositions=decompositions,
         num_params_buffers=n_params + n_buffers,
+        # Its logs print every graph (joint, forward, backward) as Python source, whether or
+        # not a logger shows them: planning's business is the graphs' structure.
+        enable_log=False,
     )
+
+
+class _Traced(Exception):
+    """Raised by a compiled forward called inside `trace`: the step is traced, planned and
+    compiled, and AOTAutograd holds the compiled step; what is left is running it on fakes."""
+
+
+_IN_TRACE: contextvars.ContextVar[bool] = contextvars.ContextVar("rkgraph_in_trace", default=False)
+
+
+def _not_run_by_trace(compiler: Callable) -> Callable:
+    """`compiler` for the forward, whose compiled callable refuses to run inside `trace`.
+
+    AOTAutograd's callable traces and compiles on its first call and then runs the compiled
+    step on that call's inputs. Run on `trace`'s fake tensors that computes nothing anyone
+    reads, and the ops with no tensor input (dropout's mask draw) run for real; stopping
+    there leaves the compiled step cached for the real calls.
+    """
+
+    def compile_forward(module: fx.GraphModule, inputs: Any) -> Callable:
+        compiled = compiler(module, inputs)
+        boxed = compiled if getattr(compiled, "_boxed_call", False) else make_boxed_func(compiled)
+
+        def run(args: list) -> Any:
+            if _IN_TRACE.get():
+                raise _Traced()
+            return boxed(args)
+
+        run._boxed_call = True  # AOTAutograd's mark of a callable taking one list of inputs
+        return run
+
+    return compile_forward
 
 
 _MODULE_STATE = frozenset(vars(torch.nn.Module()))  # what nn.Module keeps in every instance
@@ -396,6 +433,7 @@ def trace(
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes = [mode.from_tensor(t) for t in tensors]
     with (
+        _collections_spared(),
         preserved_rng(),  # ops with no tensor inputs run for real in the fake forward, draws included
         _native_kernels() if native_kernels else contextlib.nullcontext(),
         _side_effects_kept(),
@@ -405,14 +443,19 @@ def trace(
         torch.enable_grad(),
         traced_as_compiling(),
     ):
+        in_trace = _IN_TRACE.set(True)
         try:
             compiled(*fakes)
+        except _Traced:
+            pass
         except _PlanningFailed as e:
             raise e.__cause__ from None
         except (CaptureError, ValueError, TypeError):
             raise
         except Exception as e:  # tracing failures: name the op and the user's line
             raise CaptureError(_explain_trace_failure(model, e) + capture_hint(flat.hooks)) from e
+        finally:
+            _IN_TRACE.reset(in_trace)
     warn_of_traced_hooks(model, flat.hooks, _user_stacklevel() + 1)
     if flat.dropped_cache:
         warnings.warn(
@@ -421,6 +464,34 @@ def trace(
             "generation; pass use_cache=False in the model's arguments to say none is expected.",
             stacklevel=_user_stacklevel(),
         )
+
+
+# Allocations between collections of the youngest generation while tracing (Python's default: 700).
+TRACE_GC_THRESHOLD = 20_000
+
+
+@contextlib.contextmanager
+def _collections_spared() -> Iterator[None]:
+    """Fewer garbage collections while the step is traced and planned; restored on exit.
+
+    Tracing allocates millions of short-lived objects (fake tensors, fx nodes, pytree specs),
+    so the collector runs hundreds of times, and each older collection walks everything
+    alive, the user's model and every imported library included: a sizeable share of the
+    trace. Objects that exist before tracing are frozen (left out of collections) and the
+    youngest generation collected less often; cycles made while tracing are still collected.
+    A caller that froze objects itself keeps its own freeze (it is not undone here).
+    """
+    threshold = gc.get_threshold()
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.freeze()
+    gc.set_threshold(max(threshold[0], TRACE_GC_THRESHOLD), *threshold[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*threshold)
+        if freeze:
+            gc.unfreeze()
 
 
 def _user_stacklevel() -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import operator
 
 import pytest
@@ -12,6 +13,7 @@ from torch import fx, nn
 import rkgraph
 import solvers
 from rkgraph.capture import CaptureError
+from rockplan import Rockmate
 
 
 class Block(nn.Module):
@@ -110,6 +112,58 @@ def test_capture_draws_nothing_from_the_users_generator() -> None:
     rng = torch.get_rng_state()
     rkgraph.capture(model, x)
     assert torch.equal(rng, torch.get_rng_state())
+
+
+_REAL_CALLS: list[int] = []  # the sizes `rktest::counted_ones` was called with for real
+
+
+@torch.library.custom_op("rktest::counted_ones", mutates_args=())
+def _counted_ones(n: int) -> torch.Tensor:
+    _REAL_CALLS.append(n)
+    return torch.ones(n)
+
+
+@_counted_ones.register_fake
+def _(n: int) -> torch.Tensor:
+    return torch.empty(n)
+
+
+def test_planning_runs_nothing_for_real() -> None:
+    """An op with no tensor input runs for real whenever the compiled step runs, fakes or not:
+    planning compiles the step without running it, and the user's step runs it once."""
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x) * torch.ops.rktest.counted_ones(8)
+
+    model, x = Scaled(), torch.randn(4, 8)
+    _REAL_CALLS.clear()
+    rk = Rockmate(model, x, 1.0, profile="estimate")
+    assert _REAL_CALLS == []
+    loss = rk(x).sum()
+    loss.backward()
+    assert _REAL_CALLS == [8]
+    eager = model(x).sum()
+    assert torch.equal(loss, eager)
+
+
+def test_planning_leaves_the_collectors_settings_as_they_were(net: Net) -> None:
+    """Planning collects garbage less often and leaves older objects out (`_collections_spared`):
+    the thresholds and what is frozen are the caller's again afterwards, a caller's freeze included."""
+    threshold = gc.get_threshold()
+    Rockmate(net, torch.randn(32, 8), 1.0, profile="estimate")
+    assert gc.get_threshold() == threshold and gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        Rockmate(net, torch.randn(32, 8), 1.0, profile="estimate")
+        # Still frozen, nothing added (frozen objects that die leave the count).
+        assert gc.get_threshold() == threshold and 0 < gc.get_freeze_count() <= frozen
+    finally:
+        gc.unfreeze()
 
 
 def test_identical_blocks_share_a_class(net: Net) -> None:

@@ -37,8 +37,11 @@ def positions(graph: fx.Graph) -> dict[fx.Node, int]:
 
 
 def erase_unused(graph: fx.Graph, nodes: list) -> None:
-    """Erase, latest first, those of `nodes` nobody reads any more."""
-    for node in sorted({n for n in nodes if isinstance(n, fx.Node) and n.op == "call_function"},
-                       key=positions(graph).__getitem__, reverse=True):
-        if not node.users:
+    """Erase those of `nodes` nobody reads any more, or only others of them that are erased."""
+    # Rounds until none is left unread, rather than one pass latest first: that order would
+    # number the whole graph again for each pattern a rewrite takes.
+    candidates = {n for n in nodes if isinstance(n, fx.Node) and n.op == "call_function"}
+    while unread := [n for n in candidates if not n.users]:
+        for node in unread:
             graph.erase_node(node)
+            candidates.discard(node)
