@@ -36,6 +36,7 @@ from solvers.chain import chain_blocks
 from solvers.dtr import solve_dtr
 from solvers.greedy_checkpoints import solve_greedy_checkpoints
 from solvers.ilp import solve_milp
+from solvers.ilp_model import MILP_MAX_NODES
 from solvers.peak_shaving import solve_peak_shaving
 from solvers.rockmate import chain_schedules
 from solvers.saved_values import saved_values_attempts
@@ -45,10 +46,6 @@ from solvers.simulate import InfeasibleBudget
 DTR_HEURISTICS = ("dtr", "next_use", "size")
 SHAVING_SHARE = 0.85  # of the time left after DTR: peak shaving (six starts), then greedy checkpoints
 GREEDY_SHARE = 0.1  # of the time limit, for greedy checkpoints when peak shaving wins
-# Beyond this many nodes the flat MILP (about n^2 / 2 binaries for R alone) is not tried on a
-# graph that has a chain of blocks: building it takes longer than the chain and the
-# heuristics take to answer, and HiGHS finds nothing better in a minute.
-FLAT_ILP_MAX_NODES = 200
 # A flat MILP's look shorter than this never improved a schedule found, and HiGHS's presolve
 # can run past its limit.
 FLAT_ILP_MIN_LOOK = 3.0  # seconds
@@ -166,7 +163,7 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
             candidates += chained
             extra.update(found)
         remaining = time_limit - (time.perf_counter() - start)
-        if (searching() and (len(forward_blocks) <= 1 or len(graph.nodes) <= FLAT_ILP_MAX_NODES)
+        if (searching() and (len(forward_blocks) <= 1 or len(graph.nodes) <= MILP_MAX_NODES)
                 and (not candidates or remaining > FLAT_ILP_MIN_LOOK)):
             min_memory_joins()
             remaining = max(1.0, remaining)
