@@ -337,7 +337,7 @@ def _refusal(graph: RematGraph, budget: int, options: PlanOptions, seconds: floa
     if budget < bounds.lower:
         return InfeasibleBudget(f"budget {budget} bytes ({format_bytes(budget)}) is too small: {bounds.describe()}")
     known = (f"a schedule is known from {bounds.upper} bytes ({format_bytes(bounds.upper)}), and none can peak "
-             f"below {bounds.lower} bytes ({format_bytes(bounds.lower)})")
+             f"below {bounds.lower} bytes ({format_bytes(bounds.lower)}){bounds.describe_in_order()}")
     parameter = inspect.signature(RUNTIME_SOLVERS[options.solver]).parameters.get("time_limit")
     if parameter is None:
         return OutOfTime(f"solver {options.solver!r} found no schedule within {budget} bytes ({format_bytes(budget)}), "

@@ -145,11 +145,16 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
     if store_all.predicted_peak <= budget:
         min_memory_joins()
     else:
+        # Below the in-order floor only the chain's plans, which may run a few nodes out of
+        # autograd's order, can fit: every other search would end without a schedule.
+        in_order = budget >= bounds.in_order[0]
+        pending = pending and in_order  # the minimum-memory schedule runs in that order: it cannot fit
         min_memory_joins(unless_slower_than=2 * sum(n.time for n in graph.nodes))  # a start of peak shaving
         # The heuristics first: they take a fraction of a second and often meet the floor, and
         # they beat the chain plan where the chain model is coarse.
-        candidates += heuristic_candidates(graph, budget, time_limit=min(3.0, 0.8 * time_limit),
-                                           good_enough=floor * (1 + gap), known=candidates)
+        if in_order:
+            candidates += heuristic_candidates(graph, budget, time_limit=min(3.0, 0.8 * time_limit),
+                                               good_enough=floor * (1 + gap), known=candidates)
         if candidates:
             min_memory_joins(unless_slower_than=min(s.predicted_time for s in candidates))
         else:
@@ -163,7 +168,7 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
             candidates += chained
             extra.update(found)
         remaining = time_limit - (time.perf_counter() - start)
-        if (searching() and (len(forward_blocks) <= 1 or len(graph.nodes) <= MILP_MAX_NODES)
+        if (in_order and searching() and (len(forward_blocks) <= 1 or len(graph.nodes) <= MILP_MAX_NODES)
                 and (not candidates or remaining > FLAT_ILP_MIN_LOOK)):
             min_memory_joins()
             remaining = max(1.0, remaining)
