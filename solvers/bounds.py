@@ -495,8 +495,19 @@ class BudgetBounds:
 
     @property
     def schedule(self) -> Schedule:
-        """The candidate with the least peak: the smallest budget known to fit."""
-        return min(self.candidates, key=lambda s: (s.predicted_peak, s.predicted_time))
+        """The candidate with the least peak: the smallest budget known to fit. The minimum-memory
+        schedule runs the nodes in autograd's order, so it cannot peak below the in-order floor:
+        where a baseline peaks at that floor and is faster than it can be
+        (`min_memory_time_floor`), it is not built (seconds on a deep model)."""
+        def rank(schedule: Schedule) -> tuple[int, float]:
+            return schedule.predicted_peak, schedule.predicted_time
+
+        if self._min_memory is None:
+            best = min(self.baselines, key=rank)
+            if (best.predicted_peak <= self.in_order[0]
+                    and best.predicted_time * (1 + MIN_MEMORY_MARGIN) < min_memory_time_floor(self.graph)):
+                return best
+        return min(self.candidates, key=rank)
 
     @property
     def upper(self) -> int:  # achieved by `schedule`
