@@ -343,6 +343,10 @@ def _refusal(graph: RematGraph, budget: int, options: PlanOptions, seconds: floa
         return OutOfTime(f"solver {options.solver!r} found no schedule within {budget} bytes ({format_bytes(budget)}), "
                          f"but its search does not cover every schedule: {known}. Use the default solver "
                          f"{DEFAULT_SOLVER!r}, or a budget of at least {bounds.upper} bytes")
+    if budget < bounds.in_order[0]:  # more time cannot help: no search in that order can fit
+        return OutOfTime(f"solver {options.solver!r} found no schedule within {budget} bytes ({format_bytes(budget)}), "
+                         f"below what schedules in autograd's order can reach: {known}. Use a budget of at least "
+                         f"{bounds.upper} bytes")
     limit = options.solver_options.get("time_limit", parameter.default)
     stopped = "ran out of its time limit" if seconds >= limit else "stopped"
     return OutOfTime(f"solver {options.solver!r} {stopped} ({seconds:.1f} s, time_limit={limit:g} s) without a "
