@@ -15,7 +15,9 @@ The proven floor on time (`solvers.bounds.time_lower_bound`) is computed once pe
 the search stops as soon as a schedule is within `gap` of it, and the schedule returned
 carries it as `lower_bound` (with the step that sets it in `extra["floor_reason"]`), so that
 callers never compute it again. The budget is refused at once, with the smallest feasible
-budget, when it is below the proven memory floor (`solvers.bounds.check_budget`).
+budget, when it is below the proven memory floor (`solvers.bounds.check_budget`). Below the
+in-order floor (`solvers.bounds.in_order_floor`), which every member but the chain's cannot go
+under, only the chain stage runs.
 """
 
 from __future__ import annotations
