@@ -13,6 +13,10 @@ Per model: graph nodes (autograd's graph, after the rewrites), and seconds spent
 - solve: the portfolio, split by its stages (the proven floors, DTR's variants, saved values,
   peak shaving, greedy checkpoints, the chain of blocks, the flat MILP), and the referee;
 and the process's peak resident memory (ru_maxrss) with how much of it planning added.
+Where the budget is below what the model can run in (a large model's parameters and gradients
+alone can be over 0.7 of its peak), the row says so, with how long the refusal took, and its
+figures are those of a plan at the smallest budget known to be feasible
+(`solvers.min_feasible_budget`), planned in a fresh process too: every model gets a planning time.
 The GPT-2 depth series (`gpt2-l12`, `-l24`, `-l48`) plans on estimated costs whatever
 `--profile` says: it shows how planning grows with depth, not how long measuring takes.
 The page, docs/benchmarks/plan-time.md (`--out`), has the table and a plot of planning time
@@ -185,13 +189,16 @@ def _rss() -> int:
     return 0
 
 
-def plan_one(name: str, ratio: float, profile: str) -> dict[str, object]:
+def plan_one(name: str, budget: float | int, profile: str) -> dict[str, object]:
+    """Plan model `name` at `budget` (a ratio of its peak, or bytes), timed by stage. When the
+    budget is refused, the graph's size and the smallest budget known to fit are still
+    reported (`min_feasible`, bytes), from the plan that stores everything."""
     import importlib
 
     import torch
 
     from rockplan import Rockmate
-    from solvers import InfeasibleBudget
+    from solvers import InfeasibleBudget, min_feasible_budget
 
     torch.manual_seed(0)
     model, sample = build(name)
@@ -205,19 +212,23 @@ def plan_one(name: str, ratio: float, profile: str) -> dict[str, object]:
     stack.enter_context(timed(planner, "_solve", seconds, "portfolio"))
     rss_before = _rss()
     start = time.perf_counter()
-    outcome = "planned"
+    min_feasible = None
     with stack:
         try:
-            rk = Rockmate(model, sample, ratio, profile=profile)
+            rk = Rockmate(model, sample, budget, profile=profile)
             plan = rk.plan
-            nodes = len(plan.times)  # autograd's graph, after the rewrites
             outcome = f"{plan.schedule.extra.get('schedule_from', plan.schedule.solver)}"
         except InfeasibleBudget:
-            nodes, outcome = 0, "infeasible"
+            outcome = "infeasible"
     total = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"model": name, "profile": profile, "nodes": nodes, "total": total, "outcome": outcome,
-            "seconds": dict(seconds), "peak_rss": peak, "planning_rss": max(0, peak - rss_before)}
+    if outcome == "infeasible":  # after the figures: this plan is not the one timed
+        plan = Rockmate(model, sample, 1.0, solver="store_all", profile=profile).plan
+        min_feasible = min_feasible_budget(plan.graph)
+    return {"model": name, "profile": profile, "nodes": len(plan.times),  # autograd's graph, after the rewrites
+            "total": total, "outcome": outcome, "seconds": dict(seconds), "peak_rss": peak,
+            "planning_rss": max(0, peak - rss_before), "min_feasible": min_feasible,
+            "store_all_peak": plan.reference.predicted_peak}
 
 
 # --- the page (the parent process) -----------------------------------------------------------
@@ -231,7 +242,8 @@ def markdown(rows: list[dict[str, object]], ratio: float) -> str:
         "solve split it by part (solve also counts what is not listed: the referee's replays inside "
         "the solvers, the baselines); the lean variant's solve counts in the same columns. Peak RSS: "
         "the planning process's, and how much planning added to what the model and its inputs held. "
-        "Plan from: the portfolio's member whose schedule was kept.",
+        "Plan from: the portfolio's member whose schedule was kept; where the budget is infeasible, how "
+        "long the refusal took, and the row's figures are those of a plan at the smallest feasible budget.",
         "",
         f"| model | profile | nodes | total s | capture s | profile s | solve s | {' | '.join(stages)} | "
         "peak RSS | planning added | plan from |",
@@ -256,8 +268,6 @@ def plot(rows: list[dict[str, object]], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in rows:
-        if not r["nodes"]:
-            continue
         solve = r["seconds"].get("portfolio", 0.0) + r["seconds"].get(OUTSIDE_PORTFOLIO, 0.0)
         ax.scatter(r["nodes"], r["total"], color="tab:blue")
         ax.scatter(r["nodes"], solve, color="tab:orange", marker="x")
@@ -273,6 +283,16 @@ def plot(rows: list[dict[str, object]], path: Path) -> None:
     plt.close(fig)
 
 
+def _child(name: str, budget: list[str], profile: str) -> dict[str, object] | None:
+    """`plan_one`'s row, from a fresh interpreter (None, said on stderr, when it failed)."""
+    done = subprocess.run([sys.executable, __file__, "--one", name, *budget, "--profile", profile],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"{name}: failed\n{done.stderr[-2000:]}", file=sys.stderr, flush=True)
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(MODELS))
@@ -280,20 +300,26 @@ def main() -> None:
     parser.add_argument("--profile", choices=("measure", "estimate"), default="measure")
     parser.add_argument("--out", type=Path, default=PAGES / "plan-time.md", help="the generated page")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the child: plan this model, print JSON
+    parser.add_argument("--bytes", type=int, help=argparse.SUPPRESS)  # the child's budget, instead of --ratio
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(plan_one(args.one, args.ratio, args.profile)))
+        print(json.dumps(plan_one(args.one, args.ratio if args.bytes is None else args.bytes, args.profile)))
         return
     rows = []
     for name in args.models.split(","):
-        done = subprocess.run([sys.executable, __file__, "--one", name, "--ratio", str(args.ratio),
-                               "--profile", args.profile], capture_output=True, text=True)
-        if done.returncode != 0:
-            print(f"{name}: failed\n{done.stderr[-2000:]}", file=sys.stderr, flush=True)
+        row = _child(name, ["--ratio", str(args.ratio)], args.profile)
+        if row is not None and row["outcome"] == "infeasible":
+            # Refused: the row's figures become those of a plan at the smallest feasible budget.
+            refused = row
+            row = _child(name, ["--bytes", str(refused["min_feasible"])], args.profile)
+            if row is not None:
+                row["outcome"] = (f"{args.ratio} infeasible (refused in {refused['total']:.1f} s); at the smallest "
+                                  f"feasible budget, {refused['min_feasible'] / refused['store_all_peak']:.2f} of "
+                                  f"the peak: {row['outcome']}")
+        if row is None:
             continue
-        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-        r = rows[-1]
-        print(f"{name}: {r['nodes']} nodes, {r['total']:.1f} s, {r['outcome']}", flush=True)
+        rows.append(row)
+        print(f"{name}: {row['nodes']} nodes, {row['total']:.1f} s, {row['outcome']}", flush=True)
         write_page(args.out, "Planning time by stage", markdown(rows, args.ratio))
         plot(rows, args.out.with_suffix(".png"))
     print(args.out.read_text())

@@ -337,12 +337,16 @@ def _refusal(graph: RematGraph, budget: int, options: PlanOptions, seconds: floa
     if budget < bounds.lower:
         return InfeasibleBudget(f"budget {budget} bytes ({format_bytes(budget)}) is too small: {bounds.describe()}")
     known = (f"a schedule is known from {bounds.upper} bytes ({format_bytes(bounds.upper)}), and none can peak "
-             f"below {bounds.lower} bytes ({format_bytes(bounds.lower)})")
+             f"below {bounds.lower} bytes ({format_bytes(bounds.lower)}){bounds.describe_in_order()}")
     parameter = inspect.signature(RUNTIME_SOLVERS[options.solver]).parameters.get("time_limit")
     if parameter is None:
         return OutOfTime(f"solver {options.solver!r} found no schedule within {budget} bytes ({format_bytes(budget)}), "
                          f"but its search does not cover every schedule: {known}. Use the default solver "
                          f"{DEFAULT_SOLVER!r}, or a budget of at least {bounds.upper} bytes")
+    if budget < bounds.in_order[0]:  # more time cannot help: no search in that order can fit
+        return OutOfTime(f"solver {options.solver!r} found no schedule within {budget} bytes ({format_bytes(budget)}), "
+                         f"below what schedules in autograd's order can reach: {known}. Use a budget of at least "
+                         f"{bounds.upper} bytes")
     limit = options.solver_options.get("time_limit", parameter.default)
     stopped = "ran out of its time limit" if seconds >= limit else "stopped"
     return OutOfTime(f"solver {options.solver!r} {stopped} ({seconds:.1f} s, time_limit={limit:g} s) without a "

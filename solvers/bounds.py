@@ -120,12 +120,47 @@ def _step_floors(graph: RematGraph, ancestors: list[int]) -> dict[str, tuple[int
 
 def memory_lower_bound(graph: RematGraph) -> tuple[int, str]:
     """(bytes, reason): no schedule can peak below this; the reason names what forces it."""
-    candidates = [(_size(graph, graph.forward_outputs) + _size(graph, graph.tangents),
-                   "forward outputs and tangents alive together at the phase boundary"),
-                  (_size(graph, [*graph.backward_outputs, *graph.user_outputs]),
-                   "backward outputs and the user's forward outputs alive at the end")]
-    candidates += list(_step_floors(graph, _ancestors(graph)).values())
-    return max(candidates)
+    return max([*_phase_floors(graph), *_step_floors(graph, _ancestors(graph)).values()])
+
+
+def _phase_floors(graph: RematGraph) -> list[tuple[int, str]]:
+    """(bytes, reason) alive in any schedule at the phase boundary and at the end."""
+    return [(_size(graph, graph.forward_outputs) + _size(graph, graph.tangents),
+             "forward outputs and tangents alive together at the phase boundary"),
+            (_size(graph, [*graph.backward_outputs, *graph.user_outputs]),
+             "backward outputs and the user's forward outputs alive at the end")]
+
+
+def in_order_floor(graph: RematGraph) -> tuple[int, str]:
+    """(bytes, reason): no schedule that first computes each node in graph order (autograd's)
+    peaks below this. That is the family of every heuristic in the portfolio (DTR's program,
+    saved values, peak shaving, the minimum-memory family) and of Checkmate's MILP (stage t
+    first computes node t); only Rockmate's and rotor's chain plans (`solvers.chain`) may run
+    a few nodes out of that order.
+
+    `memory_lower_bound` holds, at each node, only the gradients its ancestors made: a
+    gradient of another branch could be made later, from its inputs remade then. In graph
+    order every gradient made by an earlier node is already made, and gradients are never
+    freed: at each needed node, its own floor (`_step_floors` without the ancestors) plus
+    every gradient made before it. On a language model whose weight gradients autograd makes
+    as it goes, this is far above the proven floor: it is why the portfolio's searches all
+    stop at the same budget."""
+    floors = _step_floors(graph, [0] * len(graph.nodes))
+    backward_outputs = set(graph.backward_outputs)
+    made_before = 0  # bytes of the gradients made by the nodes before, in graph order
+    gradients: set[str] = set()
+    best, why = max(_phase_floors(graph))
+    for node in graph.nodes:
+        if node.name in floors:
+            own = {*node.inputs, *node.outputs, *_held_at(graph, node)}
+            alive = floors[node.name][0] + made_before - _size(graph, own & gradients)
+            if alive > best:
+                best, why = alive, (f"node {_named(graph, node.name)} needs its inputs, outputs and workspace "
+                                    "while every gradient made before it in autograd's order is held")
+        made = [d for d in node.outputs if d in backward_outputs and d not in gradients]
+        gradients.update(made)
+        made_before += _size(graph, made)
+    return best, why
 
 
 def time_lower_bound(graph: RematGraph, budget: int, steps: int = 64, closure: bool = True) -> tuple[float, str]:
@@ -438,6 +473,7 @@ class BudgetBounds:
     baselines: list[Schedule]  # store-all, checkpointing every block, sqrt segments: linear in the graph
     graph: RematGraph = field(repr=False)
     _min_memory: Schedule | None = field(default=None, repr=False)
+    _in_order: tuple[int, str] | None = field(default=None, repr=False)
 
     @property
     def min_memory(self) -> Schedule:
@@ -446,14 +482,32 @@ class BudgetBounds:
         return self._min_memory
 
     @property
+    def in_order(self) -> tuple[int, str]:
+        """`in_order_floor`: below it only the chain's plans may fit."""
+        if self._in_order is None:
+            self._in_order = in_order_floor(self.graph)
+        return self._in_order
+
+    @property
     def candidates(self) -> list[Schedule]:
         """Every constructive schedule tried (the baselines, then the minimum-memory schedule)."""
         return [*self.baselines, self.min_memory]
 
     @property
     def schedule(self) -> Schedule:
-        """The candidate with the least peak: the smallest budget known to fit."""
-        return min(self.candidates, key=lambda s: (s.predicted_peak, s.predicted_time))
+        """The candidate with the least peak: the smallest budget known to fit. The minimum-memory
+        schedule runs the nodes in autograd's order, so it cannot peak below the in-order floor:
+        where a baseline peaks at that floor and is faster than it can be
+        (`min_memory_time_floor`), it is not built (seconds on a deep model)."""
+        def rank(schedule: Schedule) -> tuple[int, float]:
+            return schedule.predicted_peak, schedule.predicted_time
+
+        if self._min_memory is None:
+            best = min(self.baselines, key=rank)
+            if (best.predicted_peak <= self.in_order[0]
+                    and best.predicted_time * (1 + MIN_MEMORY_MARGIN) < min_memory_time_floor(self.graph)):
+                return best
+        return min(self.candidates, key=rank)
 
     @property
     def upper(self) -> int:  # achieved by `schedule`
@@ -470,7 +524,15 @@ class BudgetBounds:
                     f"{self.lower_reason}")
         return (f"the smallest feasible budget lies between {self.lower} bytes ({format_bytes(self.lower)}; "
                 f"{self.lower_reason}) and {self.upper} bytes ({format_bytes(self.upper)}, where a schedule "
-                "is known)")
+                f"is known){self.describe_in_order()}")
+
+    def describe_in_order(self) -> str:
+        """The in-order floor in words, for messages, where it says more than the proven floor."""
+        floor, reason = self.in_order
+        if floor <= self.lower:
+            return ""
+        return (f"; no schedule that runs the nodes in autograd's order (every solver's but the chain's) peaks "
+                f"below {floor} bytes ({format_bytes(floor)}; {reason})")
 
 
 def budget_bounds(graph: RematGraph) -> BudgetBounds:

@@ -43,6 +43,11 @@ log = logging.getLogger(__name__)
 # Memory is expressed in units of budget / MEMORY_UNITS (at least one byte), so that the
 # model's coefficients stay small integers whatever the model size.
 MEMORY_UNITS = 10_000
+# Beyond this many nodes Checkmate's MILP (about n^2 / 2 binaries for R alone) takes longer to
+# build than the other searches take to answer, and gigabytes to hold, and HiGHS finds nothing
+# better in a minute: the portfolio builds it neither for a whole graph that has a chain of
+# blocks nor for one block of that chain.
+MILP_MAX_NODES = 200
 
 
 def memory_unit(budget: int) -> int:

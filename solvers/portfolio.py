@@ -15,7 +15,9 @@ The proven floor on time (`solvers.bounds.time_lower_bound`) is computed once pe
 the search stops as soon as a schedule is within `gap` of it, and the schedule returned
 carries it as `lower_bound` (with the step that sets it in `extra["floor_reason"]`), so that
 callers never compute it again. The budget is refused at once, with the smallest feasible
-budget, when it is below the proven memory floor (`solvers.bounds.check_budget`).
+budget, when it is below the proven memory floor (`solvers.bounds.check_budget`). Below the
+in-order floor (`solvers.bounds.in_order_floor`), which every member but the chain's cannot go
+under, only the chain stage runs.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from solvers.chain import chain_blocks
 from solvers.dtr import solve_dtr
 from solvers.greedy_checkpoints import solve_greedy_checkpoints
 from solvers.ilp import solve_milp
+from solvers.ilp_model import MILP_MAX_NODES
 from solvers.peak_shaving import solve_peak_shaving
 from solvers.rockmate import chain_schedules
 from solvers.saved_values import saved_values_attempts
@@ -45,10 +48,6 @@ from solvers.simulate import InfeasibleBudget
 DTR_HEURISTICS = ("dtr", "next_use", "size")
 SHAVING_SHARE = 0.85  # of the time left after DTR: peak shaving (six starts), then greedy checkpoints
 GREEDY_SHARE = 0.1  # of the time limit, for greedy checkpoints when peak shaving wins
-# Beyond this many nodes the flat MILP (about n^2 / 2 binaries for R alone) is not tried on a
-# graph that has a chain of blocks: building it takes longer than the chain and the
-# heuristics take to answer, and HiGHS finds nothing better in a minute.
-FLAT_ILP_MAX_NODES = 200
 # A flat MILP's look shorter than this never improved a schedule found, and HiGHS's presolve
 # can run past its limit.
 FLAT_ILP_MIN_LOOK = 3.0  # seconds
@@ -148,11 +147,16 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
     if store_all.predicted_peak <= budget:
         min_memory_joins()
     else:
+        # Below the in-order floor only the chain's plans, which may run a few nodes out of
+        # autograd's order, can fit: every other search would end without a schedule.
+        in_order = budget >= bounds.in_order[0]
+        pending = pending and in_order  # the minimum-memory schedule runs in that order: it cannot fit
         min_memory_joins(unless_slower_than=2 * sum(n.time for n in graph.nodes))  # a start of peak shaving
         # The heuristics first: they take a fraction of a second and often meet the floor, and
         # they beat the chain plan where the chain model is coarse.
-        candidates += heuristic_candidates(graph, budget, time_limit=min(3.0, 0.8 * time_limit),
-                                           good_enough=floor * (1 + gap), known=candidates)
+        if in_order:
+            candidates += heuristic_candidates(graph, budget, time_limit=min(3.0, 0.8 * time_limit),
+                                               good_enough=floor * (1 + gap), known=candidates)
         if candidates:
             min_memory_joins(unless_slower_than=min(s.predicted_time for s in candidates))
         else:
@@ -166,7 +170,7 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
             candidates += chained
             extra.update(found)
         remaining = time_limit - (time.perf_counter() - start)
-        if (searching() and (len(forward_blocks) <= 1 or len(graph.nodes) <= FLAT_ILP_MAX_NODES)
+        if (in_order and searching() and (len(forward_blocks) <= 1 or len(graph.nodes) <= MILP_MAX_NODES)
                 and (not candidates or remaining > FLAT_ILP_MIN_LOOK)):
             min_memory_joins()
             remaining = max(1.0, remaining)

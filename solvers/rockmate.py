@@ -27,7 +27,7 @@ from solvers.chain import (
     undominated,
 )
 from solvers.greedy_checkpoints import solve_greedy_checkpoints
-from solvers.ilp_model import CheckmateMilp, memory_unit
+from solvers.ilp_model import MILP_MAX_NODES, CheckmateMilp, memory_unit
 from solvers.schedule import Schedule
 from solvers.simulate import InfeasibleBudget
 
@@ -44,12 +44,18 @@ def _option_of(sub: RematGraph, schedule: Schedule, source: str) -> BlockOption:
 
 def block_options(sub: RematGraph, time_limit: float) -> tuple[list[BlockOption], int]:
     """(options, MILP solves) for one block graph: store-all, checkpoint (forward again in the
-    backward) and the MILP's schedules over the budget grid, dominated options removed."""
+    backward) and the MILP's and greedy checkpoints' schedules over the budget grid, dominated
+    options removed. A block of more than MILP_MAX_NODES nodes (a whole decoder that the chain
+    could not cut) gets the first two only: its MILP would take gigabytes and longer than its
+    time to build, and greedy checkpoints' minimum-memory schedules are quadratic in its depth
+    (seconds each); the heuristics' schedules, cut per block, are its other options."""
     forward = [n.name for n in sub.forward_nodes]
     store_all = store_all_option(sub)
     recompute = measure(sub, [*forward, *forward, *(n.name for n in sub.backward_nodes)], len(forward),
                         "checkpoint")
     options = [store_all, recompute]
+    if len(sub.nodes) > MILP_MAX_NODES:
+        return undominated(options), 0
     # HiGHS finds bounds fast but good schedules slowly: each solve starts from the fastest
     # known option that fits its budgets, so a short time limit still yields a good option.
     lowest = memory_lower_bound(sub)[0]

@@ -19,7 +19,7 @@ def training_graph(sizes: list[int], times: list[float] | None = None, *,
                    workspaces: list[int] | None = None, random_nodes: frozenset[int] = frozenset(),
                    grad_sizes: list[int] | None = None, param_grad_size: int = 1,
                    block_size: int = 0, frozen: int = 0, user_holds_loss: bool = False,
-                   name: str = "") -> RematGraph:
+                   weight_nodes: bool = False, name: str = "") -> RematGraph:
     """Forward node i (0-based) reads the previous output (or the input for i = 0) plus the
     outputs of nodes j for each skip (j, i), and its parameter w{i}; writes x{i} of sizes[i].
     Backward node b{i} reads the gradient of x{i}, x{i}'s inputs and, if saves_output[i], x{i};
@@ -27,7 +27,9 @@ def training_graph(sizes: list[int], times: list[float] | None = None, *,
     and gw{i}. The first `frozen` nodes have no trainable parameter: like autograd, no gradient
     flows to their outputs and they get no backward node.
     `block_size` > 0 groups consecutive forward nodes into graph.blocks. `user_holds_loss`
-    makes the loss a user output, held until the step ends."""
+    makes the loss a user output, held until the step ends. `weight_nodes`: gw{i} is made, as
+    autograd makes a weight's gradient, by a node of its own (bw{i}, right after b{i}) that reads
+    the gradient of x{i} and x{i}'s inputs, an ancestor of no other node."""
     n = len(sizes)
     if not 0 <= frozen < n:
         raise ValueError(f"frozen must be in 0..{n - 1}")
@@ -64,11 +66,16 @@ def training_graph(sizes: list[int], times: list[float] | None = None, *,
             data[g] = DataNode(g, size, producer=f"b{i}")
             grads.setdefault(d, []).append(g)
             outs.append(g)
-        data[f"gw{i}"] = DataNode(f"gw{i}", param_grad_size, producer=f"b{i}")
-        outs.append(f"gw{i}")
+        data[f"gw{i}"] = DataNode(f"gw{i}", param_grad_size, producer=f"bw{i}" if weight_nodes else f"b{i}")
         backward_outputs.append(f"gw{i}")
+        if not weight_nodes:
+            outs.append(f"gw{i}")
         nodes.append(ComputeNode(f"b{i}", tuple(dict.fromkeys(reads)), tuple(outs), backward=True,
                                  time=2 * times[i]))
+        if weight_nodes:
+            weight_reads = (*grads[f"x{i}"], *(d for d in inputs_of[i] if d != "input"))
+            nodes.append(ComputeNode(f"bw{i}", tuple(dict.fromkeys(weight_reads)), (f"gw{i}",), backward=True,
+                                     time=times[i]))
     blocks = ([[f"f{i}" for i in range(s, min(n, s + block_size))] for s in range(0, n, block_size)]
               if block_size else [])
     graph = RematGraph(nodes, data, (f"x{n - 1}",), tuple(backward_outputs), name=name,
@@ -84,7 +91,7 @@ def chain_graph(n: int, size: int = 10, time: float = 1.0) -> RematGraph:
 
 
 def random_training_graph(seed: int, max_forward: int = 6, *, skip_probability: float = 0.3,
-                          random_probability: float = 0.1) -> RematGraph:
+                          random_probability: float = 0.1, weight_nodes: bool = False) -> RematGraph:
     """A random small training graph: sizes 1..50, times 1..10, occasional skips, saved
     outputs, workspaces, random (dropout-like) nodes, blocks and a loss held by the user."""
     rng = random.Random(seed)
@@ -99,5 +106,6 @@ def random_training_graph(seed: int, max_forward: int = 6, *, skip_probability: 
         random_nodes=frozenset(i for i in range(n) if rng.random() < random_probability),
         block_size=rng.choice([0, 1, 2, 3]),
         user_holds_loss=rng.random() < 0.3,
+        weight_nodes=weight_nodes,
         name=f"random{seed}",
     )

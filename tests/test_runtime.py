@@ -22,10 +22,14 @@ from solvers.simulate import freed_with, released_inside
 
 MODELS = [name for name in zoo.ZOO if name != "hf_gpt2" or importlib.util.find_spec("transformers")]
 SOLVER_OPTIONS = {"time_limit": 10}
-# Budgets above the proven floor where the default portfolio stops without a schedule (OutOfTime:
-# one may exist) on the tiny model alone, its loss outside: a gap in the search, issue 27's
-# planning half. Expected to fail that way only; any other refusal, or a plan, is tested as usual.
-SEARCH_GAPS = {("hf_llama", 0.5), ("hf_bert", 0.5)}
+# Budgets above the proven floor and the in-order floor of autograd's graph where the default
+# portfolio stops without a schedule (OutOfTime: one may exist) on the tiny model alone, its
+# loss outside: a gap in the search, issue 27's planning half. On hf_bert at 0.5 DTR runs out of
+# evictable values while recomputing an attention's scores late in the backward, the
+# minimum-memory family peaks above the budget and the flat MILP finds no schedule in minutes;
+# the lean variant is below its own in-order floor. Expected to fail that way only; any other
+# refusal, or a plan, is tested as usual.
+SEARCH_GAPS = {("hf_bert", 0.5)}
 
 
 def _step(model: torch.nn.Module, args: tuple, kwargs: dict, seed: int = 1) -> object:
@@ -65,6 +69,17 @@ def _assert_below_the_proven_floor(model: torch.nn.Module, args: tuple, kwargs: 
     assert parse_budget(budget, probe.store_all_peak) < floor, f"{budget} refused, above the proven floor {floor} B"
 
 
+def _assert_below_the_in_order_floor(model: torch.nn.Module, args: tuple, kwargs: dict, budget: float,
+                                     refusal: OutOfTime) -> None:
+    """A budget the search gives up on is one no schedule running autograd's graph in its order
+    fits (`budget_bounds(...).in_order`, the family of every solver but the chain), and the
+    refusal says so."""
+    probe = Rockmate(copy.deepcopy(model), (args, kwargs), 1.0, solver="store_all")
+    floor = budget_bounds(probe.graph).in_order[0]
+    assert parse_budget(budget, probe.store_all_peak) < floor, f"{budget} given up on, above the in-order floor {floor}"
+    assert "autograd's order" in str(refusal)
+
+
 @pytest.mark.parametrize("budget", [1.0, 0.5, "min"])
 @pytest.mark.parametrize("name", MODELS)
 def test_same_gradients_and_budget_honoured(name: str, budget: float | str) -> None:
@@ -79,7 +94,8 @@ def test_same_gradients_and_budget_honoured(name: str, budget: float | str) -> N
         except OutOfTime as e:
             if (name, budget) in SEARCH_GAPS:
                 pytest.xfail(f"the search stops without a schedule: {e}")
-            raise
+            _assert_below_the_in_order_floor(model, args, kwargs, budget, e)
+            pytest.skip(f"{budget} is below what schedules in autograd's order reach for {name}")
         except InfeasibleBudget as e:
             assert "smallest feasible budget" in str(e)
             _assert_below_the_proven_floor(model, args, kwargs, budget)

@@ -21,6 +21,7 @@ from solvers import (
     free_at_last_use,
     min_feasible_budget,
     peak_shaving,
+    portfolio,
     saved_values,
     simulate,
     solve_checkpoint_blocks,
@@ -33,7 +34,7 @@ from solvers import (
     solve_store_all,
     solver_options,
 )
-from solvers.bounds import min_memory_schedule, time_lower_bound
+from solvers.bounds import in_order_floor, min_memory_schedule, time_lower_bound
 from solvers.ilp_model import CheckmateMilp, memory_unit, stages_of
 from solvers.simulate import schedule_from_computes, to_recompute
 from tests.graph_factories import chain_graph, random_training_graph, training_graph
@@ -322,6 +323,41 @@ def test_the_time_floor_counts_the_inputs_of_what_is_made_again(monkeypatch: pyt
     assert time_lower_bound(graph, 245)[0] == pytest.approx(162, rel=1e-5)
     monkeypatch.setattr(bounds, "CLOSURE_STEPS", 0)
     assert time_lower_bound(graph, 245)[0] == 135
+
+
+@FAST
+@given(seed=st.integers(0, 10**6))
+def test_the_in_order_floor_never_exceeds_the_least_peak_in_that_order(seed: int) -> None:
+    """Weight gradients made by nodes of their own (as autograd makes them) lift the in-order
+    floor above the proven one; it stays a floor of the MILP's family (stage t first runs node
+    t), whose least peak the MILP finds exactly with bytes as units."""
+    graph = random_training_graph(seed, max_forward=5, weight_nodes=True)
+    bounds_ = budget_bounds(graph)
+    floor = in_order_floor(graph)[0]
+    assert bounds_.lower <= floor <= bounds_.upper
+    result = CheckmateMilp(graph, 1, None).solve(20, 0)
+    assume(result.status == "Optimal")
+    assert floor <= result.objective + 1e-6
+
+
+def test_below_the_in_order_floor_the_portfolio_runs_only_the_chain(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each weight's gradient is made by its own node, so at the first backward node autograd's
+    # order holds the last weight's gradient, which no schedule must hold there.
+    graph = training_graph([10] * 4, weight_nodes=True, param_grad_size=30, block_size=1)
+    lower, floor = budget_bounds(graph).lower, in_order_floor(graph)[0]
+    assert (lower, floor) == (120, 140)
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a search in autograd's order ran below its floor")
+
+    monkeypatch.setattr(portfolio, "heuristic_candidates", never)
+    monkeypatch.setattr(portfolio, "solve_milp", never)
+    try:
+        schedule = portfolio.solve_rockmate(graph, 130, time_limit=5)
+    except InfeasibleBudget as e:
+        assert "autograd's order" in str(e) and "140 bytes" in str(e)
+    else:  # the chain may leave autograd's order
+        assert schedule.extra["schedule_from"] in ("rockmate", "rotor") and schedule.predicted_peak <= 130
 
 
 @pytest.mark.parametrize(("seed", "fraction"), [(24, 0.5), (29, 0.1), (34, 0.5)])
