@@ -47,11 +47,11 @@ def profile_graph(
     """Set node costs. Times: measured on `real_inputs` (primals) when possible, else
     estimated; or, when `mode` maps node names to seconds (another plan's graph of the same
     model and sample), taken from it, so that plans compared are planned on the same costs.
-    Kernels' scratch memory is added to node workspaces: from one replay of the step on
-    `real_inputs` (`measure_scratch`) when they are given and `mode` is not "estimate" (it is
-    measured again with a mapping); otherwise, or when that replay does not fit, from each op
-    called alone on synthetic inputs (`measure_op_scratch`: no real inputs needed, and no more
-    memory than one op's).
+    Kernels' scratch memory is added to node workspaces, in every mode, from each op called
+    alone on synthetic inputs (`measure_op_scratch`): no real inputs and no replay of the step
+    are needed, so it holds for estimated profiles, on fake tensors and on every rank alike, and
+    needs no more memory than one op's. It agrees with what a store-everything replay of the
+    step reads from the allocator's events (`measure_scratch`), node by node.
 
     With `reference`, the costed graph `graph` is a variant of (`lean_variant`), nodes made of
     the same fx nodes take its costs (`share_profile`), so that plans of both compare on the
@@ -66,7 +66,7 @@ def profile_graph(
         _profile_variant(graph, joint, real_inputs, mode != "estimate", reference)
         return
     device = next((t.device.type for t in real_inputs or []), "cpu")
-    measured = scratch_measured = False
+    measured = False
     if isinstance(mode, Mapping):
         names = [node.name for node in graph.nodes]
         missing, extra = [n for n in names if n not in mode], sorted(set(mode) - set(names))
@@ -77,24 +77,18 @@ def profile_graph(
                              f"lacks{f' (first: {extra[0]!r})' if extra else ''}")
         for node in graph.nodes:
             node.time = float(mode[node.name])
-    if mode != "estimate" and real_inputs is not None:
+    elif mode == "measure" and real_inputs is not None:
         # The runtime plans inside AOTAutograd's trace, under its fake mode: tangents drawn
         # there, and kernels run there, would be fake (times of dispatch, not of compute).
         with unset_fake_temporarily():
-            inputs = [*real_inputs, *random_tangents(joint.module, device)]
             try:
-                if mode == "measure":
-                    measure_times(graph, joint.module, inputs)
-                    measured = True
-                measure_scratch(graph, joint.module, inputs, warm_up=not measured)
-                scratch_measured = True
+                measure_times(graph, joint.module, [*real_inputs, *random_tangents(joint.module, device)])
+                measured = True
             except torch.OutOfMemoryError:  # the store-everything replays do not fit
-                log.warning("kernels' scratch not measured%s: the store-everything replay does not fit",
-                            "" if measured or isinstance(mode, Mapping) else ", times estimated")
+                log.warning("node times estimated: the store-everything replay does not fit")
     if not measured and not isinstance(mode, Mapping):
         estimate_times(graph, joint.module, device)
-    if not scratch_measured:
-        measure_op_scratch(graph, joint.module)
+    measure_op_scratch(graph, joint.module)
 
 
 def _profile_variant(graph: RematGraph, joint: JointGraph, real_inputs: list[torch.Tensor] | None, measure: bool,

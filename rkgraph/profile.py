@@ -1,14 +1,16 @@
 """Per-node costs: time measured on real tensors, or estimated from FLOPs and bytes moved;
 and the scratch memory kernels allocate inside an op, measured from the allocator's events.
 
-Measuring replays the joint graph in its own order (what autograd would keep alive), so it
-needs the store-everything memory; when that fails, or when asked, the estimate is used.
+Measuring times replays the joint graph in its own order (what autograd would keep alive), so
+it needs the store-everything memory; when that fails, or when asked, the estimate is used.
 The estimate is a roofline: max(flops / peak_flops, bytes / bandwidth), with rough device
 figures; solvers only compare times relative to each other. Scratch cannot be estimated: a
 convolution's im2col buffer or a reduction's partial sums are the kernel's business, seen only
-by the allocator.
+by the allocator. It is measured op by op, each op alone on synthetic tensors
+(`measure_op_scratch`), which needs neither real inputs nor the step's memory; a replay of the
+step (`measure_scratch`) reads the same figures, and stays as its check.
 Our own ops' scratch is known from their shapes (the rewrites' table, `rkgraph.rewrites`) and
-stands in for the measurement when there is none.
+stands in for the measurement where an op cannot run on synthetic inputs.
 """
 
 from __future__ import annotations
@@ -419,6 +421,8 @@ def measure_scratch(
 ) -> None:
     """Add to each compute node's `workspace` the scratch its kernels allocate and free inside
     one op (the largest among the node's ops), read from the allocator's events of one replay.
+    Profiles use `measure_op_scratch` (the same figures, without the store-everything memory
+    this replay needs); this is its check.
 
     `inputs` as for `measure_times`. `warm_up` replays once before recording, so one-time
     allocations (caches) are not taken for scratch; not needed right after `measure_times`.
