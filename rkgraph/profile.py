@@ -15,6 +15,7 @@ stands in for the measurement where an op cannot run on synthetic inputs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import os
@@ -285,44 +286,75 @@ def _measurable(node: fx.Node) -> bool:
             and not any(tag in _UNSYNTHETIC_TAGS for tag in target.tags))
 
 
-def _synthetic(description: tuple, generators: dict[torch.device, torch.Generator]) -> torch.Tensor:
-    """A real tensor of the description's shape, strides, dtype and device: normal floats from a
-    private generator (the user's stream is untouched), zeros otherwise, so that indices index
-    the first element and masks select nothing."""
+def _synthetic(description: tuple, fills: dict[tuple, torch.Tensor] | None) -> torch.Tensor:
+    """A real tensor of the description's shape, strides, dtype and device: normal floats (one
+    block drawn from a private generator, so the user's stream is untouched, and tiled: drawing
+    every element would cost more than the ops measured), zeros otherwise, so that indices
+    index the first element and masks select nothing. With no `fills`, a meta tensor."""
     _, shape, stride, dtype, device = description
+    if fills is None:
+        return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
     extent = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) if all(shape) else 0
     if dtype.is_floating_point and dtype.itemsize > 1 or dtype.is_complex:
-        generator = generators.setdefault(device, torch.Generator(device).manual_seed(0))
-        base = torch.randn(extent, dtype=dtype, device=device, generator=generator)
+        block = fills.get((dtype, device))
+        if block is None:
+            generator = torch.Generator(device).manual_seed(0)
+            block = fills[dtype, device] = torch.randn(_FILL_BLOCK, dtype=dtype, device=device, generator=generator)
+        base = torch.empty(extent, dtype=dtype, device=device)
+        whole = extent // _FILL_BLOCK * _FILL_BLOCK
+        base[:whole].view(-1, _FILL_BLOCK).copy_(block)
+        base[whole:].copy_(block[:extent - whole])
     else:  # integers, booleans, and float8 (which has no random fill)
         base = torch.zeros(extent, dtype=dtype, device=device)
     return base.as_strided(shape, stride)
 
 
+_FILL_BLOCK = 4099  # elements drawn once per dtype and device; prime, so rows of a tensor differ
+
+
 def _arguments(signature: object, made: dict[int, torch.Tensor],
-               generators: dict[torch.device, torch.Generator]) -> object:
+               fills: dict[tuple, torch.Tensor] | None) -> object:
     """The op's arguments rebuilt from their signature (`_signature_of`), tensors synthetic."""
     kind = signature[0]
     if kind == "node":
         _, place, description = signature
         if place not in made:
-            made[place] = _synthetic(description, generators)
+            made[place] = _synthetic(description, fills)
         return made[place]
     if kind == "const":
         return signature[1]
     if kind == "dict":
-        return {k: _arguments(v, made, generators) for k, v in signature[1:]}
-    parts = [_arguments(v, made, generators) for v in signature[1:]]
+        return {k: _arguments(v, made, fills) for k, v in signature[1:]}
+    parts = [_arguments(v, made, fills) for v in signature[1:]]
     return tuple(parts) if kind == "tuple" else parts
 
 
-def _run_synthetic(target: torch._ops.OpOverload, signature: tuple, generators: dict[torch.device, torch.Generator],
+def _first_device(signature: object) -> torch.device | None:
+    """The device of the first tensor among an op's arguments (`_signature_of`)."""
+    if isinstance(signature, tuple):
+        if signature[:1] == ("node",):
+            return signature[2][4]
+        if signature[:1] != ("const",):
+            return next((d for part in signature[1:] if (d := _first_device(part)) is not None), None)
+    return None
+
+
+def _on_device(description: object, device: torch.device | None) -> object:
+    """A description (`_described`) of meta tensors with their device set to `device`."""
+    if _is_tensor_description(description):
+        return (*description[:4], device)
+    if isinstance(description, (list, tuple)):
+        return type(description)(_on_device(d, device) for d in description)
+    return description
+
+
+def _run_synthetic(target: torch._ops.OpOverload, signature: tuple, fills: dict[tuple, torch.Tensor],
                    label: str) -> object:
     """Call `target` once on synthetic inputs inside `record_function(label)`, and describe
     what it returned. The inputs are made before the range opens and everything is freed after
     it closes, so the range holds the call's own allocations, its outputs among them."""
     made: dict[int, torch.Tensor] = {}
-    args, kwargs = _arguments(signature[1], made, generators)
+    args, kwargs = _arguments(signature[1], made, fills)
     sync = torch.cuda.synchronize if any(t.device.type == "cuda" for t in made.values()) else (lambda: None)
     sync()
     with record_function(label):
@@ -367,7 +399,7 @@ def _op_scratches(joint: fx.GraphModule) -> dict[str, int | None]:
     described: dict[str, object] = {}
     signatures: dict[str, tuple] = {}  # fx node name -> its op's signature, for the ops run
     recorded: dict[tuple, str] = {}  # signature measured in this call -> its range's label
-    generators: dict[torch.device, torch.Generator] = {}
+    fills: dict[tuple, torch.Tensor] = {}
 
     def fake(node: fx.Node) -> object:
         try:
@@ -394,10 +426,17 @@ def _op_scratches(joint: fx.GraphModule) -> dict[str, int | None]:
             if signature is None:
                 described[node.name] = fake(node)
                 continue
+            if signature not in _op_scratch and node.target.is_view:
+                # A view allocates nothing: only its strides are wanted, which its meta kernel
+                # gives as the real one does, without making or reading its input.
+                args, kwargs = _arguments(signature[1], {}, None)
+                with contextlib.suppress(Exception):  # no meta kernel: run as the other ops are
+                    _op_scratch[signature] = (0, _on_device(_described(node.target(*args, **kwargs)),
+                                                           _first_device(signature[1])))
             if signature not in _op_scratch:
                 label = f"rkgraph::op{len(recorded)}"
                 try:
-                    returned = _run_synthetic(node.target, signature, generators, label)
+                    returned = _run_synthetic(node.target, signature, fills, label)
                     recorded[signature] = label
                 except Exception as e:  # noqa: BLE001  (any failure: not measurable, as documented)
                     log.debug("scratch of %s not measured on synthetic inputs: %s", node.target, e)
