@@ -16,6 +16,7 @@ stands in for the measurement where an op cannot run on synthetic inputs.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import operator
 import os
@@ -272,8 +273,8 @@ def _signature_of(arguments: object, described: dict[str, object], first: dict[s
     if isinstance(arguments, dict):
         return ("dict", *((k, _signature_of(v, described, first))
                           for k, v in sorted(arguments.items(), key=lambda kv: kv[0])))
-    if isinstance(arguments, torch.Tensor | torch.SymInt | torch.SymFloat | torch.SymBool):
-        raise _Unsynthetic("a tensor or symbol that is no graph value")
+    if isinstance(arguments, torch.Tensor | torch.SymInt | torch.SymFloat | torch.SymBool | torch.Generator):
+        raise _Unsynthetic("a tensor or symbol that is no graph value, or a generator (the user's)")
     hash(arguments)  # dtypes, devices, numbers, strings, memory formats, None
     return ("const", arguments)
 
@@ -396,10 +397,27 @@ def _op_scratches(joint: fx.GraphModule) -> dict[str, int | None]:
     signatures the cache lacks."""
     device = next((v.device for p in joint.graph.find_nodes(op="placeholder")
                    if isinstance(v := p.meta.get("val"), torch.Tensor)), torch.device("cpu"))
+    recorded: dict[tuple, str] = {}
+    if device.type == "cuda":
+        torch.cuda.init()  # before its generators are saved: draws on a fresh context restore too
+    try:
+        scratch = _run_ops(joint, device, recorded)
+    except BaseException:
+        for signature in recorded:  # unread: measured again next time, not held unmeasured
+            _op_scratch.pop(signature, None)
+        raise
+    while len(_op_scratch) > _OP_SCRATCH_HELD:
+        del _op_scratch[next(iter(_op_scratch))]
+    return scratch
+
+
+def _run_ops(joint: fx.GraphModule, device: torch.device, recorded: dict[tuple, str]) -> dict[str, int | None]:
+    """`_op_scratches`' loop: each op in order, on what its inputs' ops returned; the signatures
+    it measures go into `recorded` (signature -> its range's label) as they run."""
     described: dict[str, object] = {}
     signatures: dict[str, tuple] = {}  # fx node name -> its op's signature, for the ops run
-    recorded: dict[tuple, str] = {}  # signature measured in this call -> its range's label
     fills: dict[tuple, torch.Tensor] = {}
+    labels = (f"rkgraph::op{i}" for i in itertools.count())  # one per call: failed calls' ranges too
 
     def fake(node: fx.Node) -> object:
         try:
@@ -434,7 +452,7 @@ def _op_scratches(joint: fx.GraphModule) -> dict[str, int | None]:
                     _op_scratch[signature] = (0, _on_device(_described(node.target(*args, **kwargs)),
                                                            _first_device(signature[1])))
             if signature not in _op_scratch:
-                label = f"rkgraph::op{len(recorded)}"
+                label = next(labels)
                 try:
                     returned = _run_synthetic(node.target, signature, fills, label)
                     recorded[signature] = label
@@ -449,10 +467,7 @@ def _op_scratches(joint: fx.GraphModule) -> dict[str, int | None]:
         if span is not None:
             peak, current = events.replay(*span)
             _op_scratch[signature] = (max(peak - max(current, 0), 0), _op_scratch[signature][1])
-    scratch = {name: _op_scratch[signature][0] for name, signature in signatures.items()}
-    while len(_op_scratch) > _OP_SCRATCH_HELD:
-        del _op_scratch[next(iter(_op_scratch))]
-    return scratch
+    return {name: _op_scratch[signature][0] for name, signature in signatures.items()}
 
 
 def measure_scratch(
