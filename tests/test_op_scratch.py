@@ -16,6 +16,7 @@ import torch.utils._pytree as pytree
 
 import rkgraph
 from rkgraph import profile as rkprofile
+from rkgraph.build import is_random
 from rkgraph.capture import flat_tensors, flatten_call
 from rockplan import Rockmate, zoo
 from rockplan.memory import measure_step
@@ -98,3 +99,35 @@ def test_estimated_profile_plans_keep_the_budget(name: str, how: str) -> None:
     rk.zero_grad(set_to_none=True)
     peak = measure_step(_step, rk, args, kwargs, precision, method="profiler").peak
     assert peak <= rk.budget, f"measured {peak} B over the budget of {rk.budget} B"
+
+
+class _AssertsAndDrops(torch.nn.Module):
+    """An assertion (its synthetic input would fail it: zeros where the check wants True) and a
+    dropout (a draw) in the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(8, 64), torch.nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.first(x)
+        torch._assert_async((hidden.abs() < 1e3).all(), "activation out of range")
+        return self.second(torch.nn.functional.dropout(hidden.tanh(), 0.1)).logsumexp(-1).mean()
+
+
+def test_assertions_are_not_run_and_draws_leave_the_user_s_generator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An assertion is never called on synthetic values (on CUDA a failed one is a device-side
+    assert, fatal to the process): it takes its known scratch, none. A draw is measured, and the
+    global generator is where it was."""
+    torch.manual_seed(0)
+    joint = rkgraph.capture_joint(_AssertsAndDrops(), (torch.randn(32, 8),))
+    calls = []
+    run = rkprofile._run_synthetic
+    monkeypatch.setattr(rkprofile, "_run_synthetic", lambda target, *rest: calls.append(target) or run(target, *rest))
+    rkprofile._op_scratch.clear()
+    state = torch.get_rng_state()
+    rkgraph.measure_op_scratch(rkgraph.build_graph(joint), joint.module)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert not any("assert" in str(target) for target in calls), calls
+    draws = {n.target for n in joint.module.graph.nodes if n.op == "call_function" and is_random(n)}
+    assert draws and draws <= set(calls), (draws, calls)
