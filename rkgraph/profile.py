@@ -35,7 +35,7 @@ from torch.utils.flop_counter import flop_registry
 from rkgraph.capture import is_tangent, preserved_rng
 from rkgraph.graph import RematGraph
 from rkgraph.hooks import hooks_muted
-from rkgraph.rewrites import known_scratch
+from rkgraph.rewrites import REWRITES, known_scratch
 
 log = logging.getLogger(__name__)
 
@@ -284,7 +284,8 @@ def _measurable(node: fx.Node) -> bool:
     target = node.target
     return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
             and target.namespace in _SYNTHETIC_NAMESPACES and target not in _UNSYNTHETIC_OPS
-            and not any(tag in _UNSYNTHETIC_TAGS for tag in target.tags))
+            and not any(tag in _UNSYNTHETIC_TAGS for tag in target.tags)
+            and not any(target in r.scratch for r in REWRITES))
 
 
 def _synthetic(description: tuple, fills: dict[tuple, torch.Tensor] | None) -> torch.Tensor:
@@ -380,10 +381,12 @@ def measure_op_scratch(graph: RematGraph, joint: fx.GraphModule, nodes: Iterable
     once for the process: a model's identical layers cost one call.
 
     Ops not run on synthetic inputs take our own ops' known scratch (the rewrites' table,
-    `rkgraph.rewrites.known_scratch`; 0 for any other op): those of other namespaces than
-    PyTorch's and ours (collectives, users' hook calls, libraries' ops), ops whose output size
-    depends on values, assertions, ops on symbolic sizes or tensor subclasses, and any op that
-    fails on the synthetic values. Draws are measured, the generators restored after."""
+    `rkgraph.rewrites.known_scratch`; 0 for any other op): our ops the table knows (their
+    bounds are checked against the allocator in the rewrites' tests, and these ops, written
+    in Python a slice at a time, cost the most to run), those of other namespaces than PyTorch's
+    and ours (collectives, users' hook calls, libraries' ops), ops whose output size depends on
+    values, assertions, ops on symbolic sizes or tensor subclasses, and any op that fails on
+    the synthetic values. Draws are measured, the generators restored after."""
     fx_nodes = {n.name: n for n in joint.graph.nodes}
     wanted = [node for node in graph.nodes if nodes is None or node.name in set(nodes)]
     scratch = _op_scratches(joint)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import operator
 from collections.abc import Callable
 
 import pytest
@@ -52,10 +53,17 @@ def test_op_by_op_scratch_equals_the_replay_s_on_every_node(name: str, how: str)
     rkgraph.measure_scratch(replayed, joint.module, [*real, *rkgraph.random_tangents(joint.module)])
     rkprofile._op_scratch.clear()  # measured here, not taken from an earlier test's cache
     rkgraph.measure_op_scratch(op_by_op, joint.module)
-    scratch = {node.name: node.workspace - base[node.name] for node in replayed.nodes}
-    assert max(scratch.values()) > 0, "no kernel scratch in this step: the comparison shows nothing"
-    differing = {node.name: (scratch[node.name], node.workspace - base[node.name]) for node in op_by_op.nodes
-                 if node.workspace - base[node.name] != scratch[node.name]}
+    fx_nodes = {n.name: n for n in joint.module.graph.nodes}
+    # Where both measure: nodes whose every op runs on synthetic inputs (not our ops the
+    # rewrites' table knows, nor draws' and assertions' kin: see `measure_op_scratch`).
+    both = [node.name for node in op_by_op.nodes
+            if all(rkprofile._measurable(fx_nodes[n]) or fx_nodes[n].target is operator.getitem
+                   for n in node.fx_nodes)]
+    assert len(both) > 0.8 * len(op_by_op.nodes)
+    replay = {node.name: node.workspace - base[node.name] for node in replayed.nodes}
+    ours = {node.name: node.workspace - base[node.name] for node in op_by_op.nodes}
+    assert max(replay[name] for name in both) > 0, "no kernel scratch in this step: the comparison shows nothing"
+    differing = {name: (replay[name], ours[name]) for name in both if ours[name] != replay[name]}
     assert not differing, f"(replay's, op by op) scratch differ on {differing}"
 
 
