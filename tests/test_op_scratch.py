@@ -26,31 +26,39 @@ from solvers import min_feasible_budget
 SOLVER_OPTIONS = {"time_limit": 10}
 
 
-def _entry(name: str, how: str) -> tuple[torch.nn.Module, tuple, dict, Callable[[], contextlib.AbstractContextManager]]:
+def _entry(name: str, how: str, device: str = "cpu") -> tuple[torch.nn.Module, tuple, dict,
+                                                              Callable[[], contextlib.AbstractContextManager]]:
     model, args, kwargs, _ = zoo.make(name, "tiny")
+    model, args = model.to(device), tuple(a.to(device) for a in args)
     if how == "bf16 weights":
         model = model.to(torch.bfloat16)
         args = tuple(a.to(torch.bfloat16) if a.is_floating_point() else a for a in args)
     if how == "bf16 autocast":
-        return model, args, kwargs, lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+        return model, args, kwargs, lambda: torch.autocast(device, dtype=torch.bfloat16)
     return model, args, kwargs, contextlib.nullcontext
 
 
-@pytest.mark.parametrize(("name", "how"), [("resnet", "fp32"), ("gpt", "fp32"), ("resnet", "bf16 autocast"),
-                                           ("gpt", "bf16 weights")])
-def test_op_by_op_scratch_equals_the_replay_s_on_every_node(name: str, how: str) -> None:
+_CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize(("name", "how", "device"), [
+    ("resnet", "fp32", "cpu"), ("gpt", "fp32", "cpu"), ("resnet", "bf16 autocast", "cpu"),
+    ("gpt", "bf16 weights", "cpu"),
+    *(pytest.param(name, how, "cuda", marks=_CUDA) for name in ("resnet", "gpt") for how in ("fp32", "bf16 autocast")),
+])
+def test_op_by_op_scratch_equals_the_replay_s_on_every_node(name: str, how: str, device: str) -> None:
     """Equal, not close: both read the allocator's events of the same kernels on the same shapes,
     strides, dtypes and thread count, which size every buffer a kernel takes. The bf16 cases
     hold only because each op runs on what its inputs' ops really returned: a CPU batch norm
     under bf16 autocast saves float32 statistics where the fake tensors say bf16, and its
     backward converts its input (scratch the fake dtypes do not show)."""
-    model, args, kwargs, precision = _entry(name, how)
+    model, args, kwargs, precision = _entry(name, how, device)
     with precision():
         joint = rkgraph.capture_joint(model, args, kwargs)
     real = flat_tensors(model, flatten_call(model, args, kwargs), args, kwargs)
     replayed, op_by_op = rkgraph.build_graph(joint), rkgraph.build_graph(joint)
     base = {node.name: node.workspace for node in replayed.nodes}
-    rkgraph.measure_scratch(replayed, joint.module, [*real, *rkgraph.random_tangents(joint.module)])
+    rkgraph.measure_scratch(replayed, joint.module, [*real, *rkgraph.random_tangents(joint.module, device)])
     rkprofile._op_scratch.clear()  # measured here, not taken from an earlier test's cache
     rkgraph.measure_op_scratch(op_by_op, joint.module)
     fx_nodes = {n.name: n for n in joint.module.graph.nodes}
