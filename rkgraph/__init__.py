@@ -15,8 +15,8 @@ from rkgraph.capture import CaptureError, JointGraph, trace_joint
 from rkgraph.graph import ComputeNode, DataNode, RematGraph
 from rkgraph.profile import (
     AllocatorEvents,
-    estimate_scratch,
     estimate_times,
+    measure_op_scratch,
     measure_scratch,
     measure_times,
     random_tangents,
@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "REWRITES", "AllocatorEvents", "CaptureError", "ComputeNode", "DataNode", "JointGraph", "RematGraph",
-    "apply_rewrites", "build_graph", "capture", "capture_joint", "estimate_scratch", "estimate_times", "lean_rewrites",
-    "lean_variant", "measure_scratch", "measure_times", "profile_graph", "random_tangents",
+    "apply_rewrites", "build_graph", "capture", "capture_joint", "estimate_times", "lean_rewrites",
+    "lean_variant", "measure_op_scratch", "measure_scratch", "measure_times", "profile_graph", "random_tangents",
     "share_profile", "split_into_blocks",
 ]
 
@@ -47,9 +47,11 @@ def profile_graph(
     """Set node costs. Times: measured on `real_inputs` (primals) when possible, else
     estimated; or, when `mode` maps node names to seconds (another plan's graph of the same
     model and sample), taken from it, so that plans compared are planned on the same costs.
-    Kernels' scratch memory is added to node workspaces whenever real inputs are given and
-    `mode` is not "estimate" (it is measured again with a mapping); otherwise only our own ops'
-    known scratch is (`estimate_scratch`: ATen kernels' cannot be estimated).
+    Kernels' scratch memory is added to node workspaces, in every mode, from each op called
+    alone on synthetic inputs (`measure_op_scratch`): no real inputs and no replay of the step
+    are needed, so it holds for estimated profiles, on fake tensors and on every rank alike, and
+    needs no more memory than one op's. It agrees with what a store-everything replay of the
+    step reads from the allocator's events (`measure_scratch`), node by node.
 
     With `reference`, the costed graph `graph` is a variant of (`lean_variant`), nodes made of
     the same fx nodes take its costs (`share_profile`), so that plans of both compare on the
@@ -59,12 +61,12 @@ def profile_graph(
     so that the machine's speed while each was timed cancels (without it, profiles of the same
     variant disagree more). Priced instead as the reference's ops they replace, they come out
     too cheap: fused attentions and the packing and unpacking of masks take longer in a real
-    step than the ops they stand for. Their scratch is our ops' known one."""
+    step than the ops they stand for. Their scratch is measured op by op (`measure_op_scratch`)."""
     if reference is not None:
         _profile_variant(graph, joint, real_inputs, mode != "estimate", reference)
         return
     device = next((t.device.type for t in real_inputs or []), "cpu")
-    measured = scratch_measured = False
+    measured = False
     if isinstance(mode, Mapping):
         names = [node.name for node in graph.nodes]
         missing, extra = [n for n in names if n not in mode], sorted(set(mode) - set(names))
@@ -75,31 +77,24 @@ def profile_graph(
                              f"lacks{f' (first: {extra[0]!r})' if extra else ''}")
         for node in graph.nodes:
             node.time = float(mode[node.name])
-    if mode != "estimate" and real_inputs is not None:
+    elif mode == "measure" and real_inputs is not None:
         # The runtime plans inside AOTAutograd's trace, under its fake mode: tangents drawn
         # there, and kernels run there, would be fake (times of dispatch, not of compute).
         with unset_fake_temporarily():
-            inputs = [*real_inputs, *random_tangents(joint.module, device)]
             try:
-                if mode == "measure":
-                    measure_times(graph, joint.module, inputs)
-                    measured = True
-                measure_scratch(graph, joint.module, inputs, warm_up=not measured)
-                scratch_measured = True
+                measure_times(graph, joint.module, [*real_inputs, *random_tangents(joint.module, device)])
+                measured = True
             except torch.OutOfMemoryError:  # the store-everything replays do not fit
-                log.warning("kernels' scratch not measured%s: the store-everything replay does not fit",
-                            "" if measured or isinstance(mode, Mapping) else ", times estimated")
+                log.warning("node times estimated: the store-everything replay does not fit")
     if not measured and not isinstance(mode, Mapping):
         estimate_times(graph, joint.module, device)
-    if not scratch_measured:
-        estimate_scratch(graph, joint.module)
+    measure_op_scratch(graph, joint.module)
 
 
 def _profile_variant(graph: RematGraph, joint: JointGraph, real_inputs: list[torch.Tensor] | None, measure: bool,
                      reference: RematGraph) -> None:
     """`profile_graph` for a variant of `reference`'s graph (see there)."""
     estimate_times(graph, joint.module)
-    estimate_scratch(graph, joint.module)
     timed = None
     if measure and real_inputs is not None:
         device = next((t.device.type for t in real_inputs), "cpu")
@@ -110,6 +105,7 @@ def _profile_variant(graph: RematGraph, joint: JointGraph, real_inputs: list[tor
             except torch.OutOfMemoryError:
                 log.warning("the variant's own ops not timed, their times estimated: its replay does not fit")
     own = set(share_profile(graph, reference))
+    measure_op_scratch(graph, joint.module, own)
     if timed is not None:
         shared = [node for node in graph.nodes if node.name not in own]
         clock = sum(node.time for node in shared) / max(sum(timed[node.name] for node in shared), 1e-12)

@@ -1,24 +1,28 @@
 """Per-node costs: time measured on real tensors, or estimated from FLOPs and bytes moved;
 and the scratch memory kernels allocate inside an op, measured from the allocator's events.
 
-Measuring replays the joint graph in its own order (what autograd would keep alive), so it
-needs the store-everything memory; when that fails, or when asked, the estimate is used.
+Measuring times replays the joint graph in its own order (what autograd would keep alive), so
+it needs the store-everything memory; when that fails, or when asked, the estimate is used.
 The estimate is a roofline: max(flops / peak_flops, bytes / bandwidth), with rough device
 figures; solvers only compare times relative to each other. Scratch cannot be estimated: a
 convolution's im2col buffer or a reduction's partial sums are the kernel's business, seen only
-by the allocator.
+by the allocator. It is measured op by op, each op alone on synthetic tensors
+(`measure_op_scratch`), which needs neither real inputs nor the step's memory; a replay of the
+step (`measure_scratch`) reads the same figures, and stays as its check.
 Our own ops' scratch is known from their shapes (the rewrites' table, `rkgraph.rewrites`) and
-stands in for the measurement when there is none.
+stands in for the measurement where an op cannot run on synthetic inputs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import operator
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 
 import torch
@@ -31,7 +35,7 @@ from torch.utils.flop_counter import flop_registry
 from rkgraph.capture import is_tangent, preserved_rng
 from rkgraph.graph import RematGraph
 from rkgraph.hooks import hooks_muted
-from rkgraph.rewrites import known_scratch
+from rkgraph.rewrites import REWRITES, known_scratch
 
 log = logging.getLogger(__name__)
 
@@ -205,13 +209,268 @@ def measure_times(
         node.time = sum(statistics.median(samples[n]) for n in node.fx_nodes if n in samples)
 
 
-def estimate_scratch(graph: RematGraph, joint: fx.GraphModule) -> None:
-    """Add to each compute node's `workspace` the scratch of its ops that the rewrites' table
-    knows (`rkgraph.rewrites.known_scratch`; the largest among the node's ops): the
-    measurement's stand-in."""
+# Ops measured on synthetic inputs: PyTorch's own and ours (`rkgraph.rewrites`). Other
+# namespaces are skipped: collectives would talk to other ranks, a user's hook
+# (`rockplan::call_hook`) runs once and only in a step, and a library's op may have effects we
+# cannot see.
+_SYNTHETIC_NAMESPACES = frozenset({"aten", "prims", "rkgraph"})
+# Tags of ops whose run on synthetic values means nothing: an output whose size depends on the
+# values (nonzero, unique, masked_select). Draws are measured: the generators are restored after.
+_UNSYNTHETIC_TAGS = frozenset({torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape})
+# An assertion on synthetic values fails (on CUDA as a device-side assert, fatal to the process).
+_UNSYNTHETIC_OPS = frozenset({torch.ops.aten._assert_async.default, torch.ops.aten._assert_async.msg,
+                              torch.ops.aten._assert_scalar.default,
+                              torch.ops.aten._functional_assert_async.msg})
+# Op signature -> (scratch bytes, what the op returns, described as `_described` does); scratch
+# None where the op cannot run on synthetic inputs. The signature holds everything the kernel's
+# choice of buffers depends on, so a measurement holds for the process.
+_op_scratch: dict[tuple, tuple[int | None, object]] = {}
+_OP_SCRATCH_HELD = 1 << 16  # signatures held before the oldest are dropped
+
+
+class _Unsynthetic(Exception):
+    """An argument no synthetic input can stand for: a symbolic size, a tensor subclass."""
+
+
+_UNKNOWN = object()  # the description of a value no synthetic input can stand for
+
+
+def _described(value: object) -> object:
+    """`value` with each tensor replaced by ("tensor", shape, stride, dtype, device): what a
+    synthetic tensor is made from. Raises _Unsynthetic for a symbolic size or stride, or for a
+    tensor that is not plain and strided (a subclass, sparse)."""
+    if isinstance(value, torch.Tensor):
+        if not (type(value) is torch.Tensor or isinstance(value, FakeTensor)) or value.layout is not torch.strided:
+            raise _Unsynthetic(type(value).__name__)
+        shape, stride = tuple(value.shape), tuple(value.stride())
+        if not all(type(v) is int for v in (*shape, *stride)):
+            raise _Unsynthetic("symbolic size")
+        return ("tensor", shape, stride, value.dtype, value.device)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_described(v) for v in value)
+    if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
+        raise _Unsynthetic("symbolic value")
+    return value
+
+
+def _is_tensor_description(value: object) -> bool:
+    return isinstance(value, tuple) and value[:1] == ("tensor",)
+
+
+def _signature_of(arguments: object, described: dict[str, object], first: dict[str, int]) -> object:
+    """A hashable form of an op's arguments: nodes by what `described` holds for them (tensors
+    with the place of the node among the op's arguments, `first`, so that an argument given
+    twice stays one tensor)."""
+    if isinstance(arguments, fx.Node):
+        value = described[arguments.name]
+        if _is_tensor_description(value):
+            return ("node", first.setdefault(arguments.name, len(first)), value)
+        if value is _UNKNOWN or isinstance(value, (list, tuple)):  # a tensor list is given by its items
+            raise _Unsynthetic(arguments.name)
+        return ("const", value)
+    if isinstance(arguments, (list, tuple)):
+        return (type(arguments).__name__, *(_signature_of(v, described, first) for v in arguments))
+    if isinstance(arguments, dict):
+        return ("dict", *((k, _signature_of(v, described, first))
+                          for k, v in sorted(arguments.items(), key=lambda kv: kv[0])))
+    if isinstance(arguments, torch.Tensor | torch.SymInt | torch.SymFloat | torch.SymBool | torch.Generator):
+        raise _Unsynthetic("a tensor or symbol that is no graph value, or a generator (the user's)")
+    hash(arguments)  # dtypes, devices, numbers, strings, memory formats, None
+    return ("const", arguments)
+
+
+def _measurable(node: fx.Node) -> bool:
+    """Whether `node`'s op is run on synthetic inputs (see `measure_op_scratch`)."""
+    target = node.target
+    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+            and target.namespace in _SYNTHETIC_NAMESPACES and target not in _UNSYNTHETIC_OPS
+            and not any(tag in _UNSYNTHETIC_TAGS for tag in target.tags)
+            and not any(target in r.scratch for r in REWRITES))
+
+
+def _synthetic(description: tuple, fills: dict[tuple, torch.Tensor] | None) -> torch.Tensor:
+    """A real tensor of the description's shape, strides, dtype and device: normal floats (one
+    block drawn from a private generator, so the user's stream is untouched, and tiled: drawing
+    every element would cost more than the ops measured), zeros otherwise, so that indices
+    index the first element and masks select nothing. With no `fills`, a meta tensor."""
+    _, shape, stride, dtype, device = description
+    if fills is None:
+        return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+    extent = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) if all(shape) else 0
+    if dtype.is_floating_point and dtype.itemsize > 1 or dtype.is_complex:
+        block = fills.get((dtype, device))
+        if block is None:
+            generator = torch.Generator(device).manual_seed(0)
+            block = fills[dtype, device] = torch.randn(_FILL_BLOCK, dtype=dtype, device=device, generator=generator)
+        base = torch.empty(extent, dtype=dtype, device=device)
+        whole = extent // _FILL_BLOCK * _FILL_BLOCK
+        base[:whole].view(-1, _FILL_BLOCK).copy_(block)
+        base[whole:].copy_(block[:extent - whole])
+    else:  # integers, booleans, and float8 (which has no random fill)
+        base = torch.zeros(extent, dtype=dtype, device=device)
+    return base.as_strided(shape, stride)
+
+
+_FILL_BLOCK = 4099  # elements drawn once per dtype and device; prime, so rows of a tensor differ
+
+
+def _arguments(signature: object, made: dict[int, torch.Tensor],
+               fills: dict[tuple, torch.Tensor] | None) -> object:
+    """The op's arguments rebuilt from their signature (`_signature_of`), tensors synthetic."""
+    kind = signature[0]
+    if kind == "node":
+        _, place, description = signature
+        if place not in made:
+            made[place] = _synthetic(description, fills)
+        return made[place]
+    if kind == "const":
+        return signature[1]
+    if kind == "dict":
+        return {k: _arguments(v, made, fills) for k, v in signature[1:]}
+    parts = [_arguments(v, made, fills) for v in signature[1:]]
+    return tuple(parts) if kind == "tuple" else parts
+
+
+def _first_device(signature: object) -> torch.device | None:
+    """The device of the first tensor among an op's arguments (`_signature_of`)."""
+    if isinstance(signature, tuple):
+        if signature[:1] == ("node",):
+            return signature[2][4]
+        if signature[:1] != ("const",):
+            return next((d for part in signature[1:] if (d := _first_device(part)) is not None), None)
+    return None
+
+
+def _on_device(description: object, device: torch.device | None) -> object:
+    """A description (`_described`) of meta tensors with their device set to `device`."""
+    if _is_tensor_description(description):
+        return (*description[:4], device)
+    if isinstance(description, (list, tuple)):
+        return type(description)(_on_device(d, device) for d in description)
+    return description
+
+
+def _run_synthetic(target: torch._ops.OpOverload, signature: tuple, fills: dict[tuple, torch.Tensor],
+                   label: str) -> object:
+    """Call `target` once on synthetic inputs inside `record_function(label)`, and describe
+    what it returned. The inputs are made before the range opens and everything is freed after
+    it closes, so the range holds the call's own allocations, its outputs among them."""
+    made: dict[int, torch.Tensor] = {}
+    args, kwargs = _arguments(signature[1], made, fills)
+    sync = torch.cuda.synchronize if any(t.device.type == "cuda" for t in made.values()) else (lambda: None)
+    sync()
+    with record_function(label):
+        result = target(*args, **kwargs)
+        sync()  # scratch is freed in stream order: the call is over once the device is
+    return _described(result)
+
+
+def measure_op_scratch(graph: RematGraph, joint: fx.GraphModule, nodes: Iterable[str] | None = None) -> None:
+    """Add to each compute node's `workspace` (of `nodes`, by name; all when None) the scratch its
+    kernels allocate and free inside one op (the largest among the node's ops): each op called
+    once on its own, on synthetic real tensors, under the allocator's events (`AllocatorEvents`);
+    its scratch is its peak minus what it returns or keeps. No replay of the step, so planning
+    needs no more memory than one op's inputs, outputs and scratch, which any schedule of the
+    step holds anyway; and no real inputs, so it works on fake tensors, on every rank alike.
+
+    The ops run in the graph's order, each on tensors of the shapes, strides and dtypes its
+    inputs' ops really returned (a fake tensor's can differ: a CPU batch norm of bfloat16 saves
+    float32 statistics, and its backward then converts its input, scratch the fake dtype would
+    not show). Each op signature (op, arguments' shapes, strides, dtypes and devices, other
+    arguments, the CPU's thread count, which sizes kernels' per-thread buffers) is measured
+    once for the process: a model's identical layers cost one call.
+
+    Ops not run on synthetic inputs take our own ops' known scratch (the rewrites' table,
+    `rkgraph.rewrites.known_scratch`; 0 for any other op): our ops the table knows (their
+    bounds are checked against the allocator in the rewrites' tests, and these ops, written
+    in Python a slice at a time, cost the most to run), those of other namespaces than PyTorch's
+    and ours (collectives, users' hook calls, libraries' ops), ops whose output size depends on
+    values, assertions, ops on symbolic sizes or tensor subclasses, and any op that fails on
+    the synthetic values. Draws are measured, the generators restored after."""
     fx_nodes = {n.name: n for n in joint.graph.nodes}
-    for node in graph.nodes:
-        node.workspace += max((known_scratch(fx_nodes[n]) for n in node.fx_nodes), default=0)
+    wanted = [node for node in graph.nodes if nodes is None or node.name in set(nodes)]
+    scratch = _op_scratches(joint)
+    for node in wanted:
+        node.workspace += max((known_scratch(fx_nodes[name]) if scratch.get(name) is None else scratch[name]
+                               for name in node.fx_nodes), default=0)
+
+
+def _op_scratches(joint: fx.GraphModule) -> dict[str, int | None]:
+    """Scratch of each op of `joint` by fx node name (`measure_op_scratch`), measuring the
+    signatures the cache lacks."""
+    device = next((v.device for p in joint.graph.find_nodes(op="placeholder")
+                   if isinstance(v := p.meta.get("val"), torch.Tensor)), torch.device("cpu"))
+    recorded: dict[tuple, str] = {}
+    if device.type == "cuda":
+        torch.cuda.init()  # before its generators are saved: draws on a fresh context restore too
+    try:
+        scratch = _run_ops(joint, device, recorded)
+    except BaseException:
+        for signature in recorded:  # unread: measured again next time, not held unmeasured
+            _op_scratch.pop(signature, None)
+        raise
+    while len(_op_scratch) > _OP_SCRATCH_HELD:
+        del _op_scratch[next(iter(_op_scratch))]
+    return scratch
+
+
+def _run_ops(joint: fx.GraphModule, device: torch.device, recorded: dict[tuple, str]) -> dict[str, int | None]:
+    """`_op_scratches`' loop: each op in order, on what its inputs' ops returned; the signatures
+    it measures go into `recorded` (signature -> its range's label) as they run."""
+    described: dict[str, object] = {}
+    signatures: dict[str, tuple] = {}  # fx node name -> its op's signature, for the ops run
+    fills: dict[tuple, torch.Tensor] = {}
+    labels = (f"rkgraph::op{i}" for i in itertools.count())  # one per call: failed calls' ranges too
+
+    def fake(node: fx.Node) -> object:
+        try:
+            return _described(node.meta.get("val"))
+        except _Unsynthetic:
+            return _UNKNOWN
+
+    # Planning may run inside AOTAutograd's trace, under its fake mode, and under the user's
+    # autocast: leave both, so real kernels run as the graph was traced; the user's hooks and
+    # generators are left alone, as in `_replays`.
+    with (preserved_rng(), torch.no_grad(), unset_fake_temporarily(), torch._C._DisableAutocast(), hooks_muted(),
+          AllocatorEvents(device) as events):
+        for node in joint.graph.nodes:
+            if node.target is operator.getitem and isinstance(parent := described.get(node.args[0].name), list | tuple):
+                described[node.name] = parent[node.args[1]]
+                continue
+            signature = None
+            if _measurable(node):
+                try:
+                    signature = (str(node.target), _signature_of((node.args, node.kwargs), described, {}),
+                                 torch.get_num_threads())
+                except (_Unsynthetic, TypeError):  # TypeError: an unhashable argument
+                    pass
+            if signature is None:
+                described[node.name] = fake(node)
+                continue
+            if signature not in _op_scratch and node.target.is_view:
+                # A view allocates nothing: only its strides are wanted, which its meta kernel
+                # gives as the real one does, without making or reading its input.
+                args, kwargs = _arguments(signature[1], {}, None)
+                with contextlib.suppress(Exception):  # no meta kernel: run as the other ops are
+                    _op_scratch[signature] = (0, _on_device(_described(node.target(*args, **kwargs)),
+                                                           _first_device(signature[1])))
+            if signature not in _op_scratch:
+                label = next(labels)
+                try:
+                    returned = _run_synthetic(node.target, signature, fills, label)
+                    recorded[signature] = label
+                except Exception as e:  # noqa: BLE001  (any failure: not measurable, as documented)
+                    log.debug("scratch of %s not measured on synthetic inputs: %s", node.target, e)
+                    returned = fake(node)
+                _op_scratch[signature] = (None, returned)
+            signatures[node.name] = signature
+            described[node.name] = _op_scratch[signature][1]
+    for signature, label in recorded.items():
+        span = events.ranges.get(label)
+        if span is not None:
+            peak, current = events.replay(*span)
+            _op_scratch[signature] = (max(peak - max(current, 0), 0), _op_scratch[signature][1])
+    return {name: _op_scratch[signature][0] for name, signature in signatures.items()}
 
 
 def measure_scratch(
@@ -219,6 +478,8 @@ def measure_scratch(
 ) -> None:
     """Add to each compute node's `workspace` the scratch its kernels allocate and free inside
     one op (the largest among the node's ops), read from the allocator's events of one replay.
+    Profiles use `measure_op_scratch` (the same figures, without the store-everything memory
+    this replay needs); this is its check.
 
     `inputs` as for `measure_times`. `warm_up` replays once before recording, so one-time
     allocations (caches) are not taken for scratch; not needed right after `measure_times`.

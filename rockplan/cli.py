@@ -203,8 +203,8 @@ def parser() -> argparse.ArgumentParser:
                       "size with units (800MB, 1.5GiB)")
     plan.add_argument("--solver", default=DEFAULT_SOLVER, help=f"planner (default {DEFAULT_SOLVER})")
     plan.add_argument("--profile", choices=("measure", "estimate"), default="measure",
-                      help="op times measured on the sample, or estimated from FLOPs "
-                           "(kernels' scratch then unseen: the step can exceed the budget by it)")
+                      help="op times measured on the sample, or estimated from FLOPs (kernels' scratch is "
+                           "measured op by op either way)")
     plan.add_argument("--size", choices=("tiny", "default"), default="default", help="size of a zoo model")
     plan.add_argument("--with-loss", action="store_true", help="plan the model with its loss inside, as the "
                       "benchmarks do (zoo models, or factories returning (model, args, kwargs, loss_fn))")

@@ -132,7 +132,7 @@ class Rockmate(nn.Module):
     `plan_file` is a plan written by `export`: it is checked against the captured graph and
     used instead of solving (still replayed by the simulator against the budget).
     `profile`: node times "measure"d on the sample's device, "estimate"d from FLOPs and bytes
-    (no run: kernels' scratch is not seen, and the step can exceed the budget by it), or a
+    (no replay of the step; kernels' scratch is measured op by op either way), or a
     mapping from node name to seconds, such as another plan's `profile_times()`: the same
     model and sample then plan on the same costs (measured profiles vary from run to run on a
     busy machine; a comparison of budgets or solvers should not).

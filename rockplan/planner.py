@@ -255,7 +255,7 @@ def reuse(joint: JointGraph, budget: int | float | str, options: PlanOptions, pr
     within `budget` there; None otherwise. No solver runs: planning at the largest input
     covers smaller ones, at the cost of recomputing what they could have kept. Costs: the
     previous plan's node times (measured ones keep their order across shapes), with kernels'
-    scratch measured again on `real_inputs`, since the budget check needs it."""
+    scratch measured again at the new shapes, since the budget check needs it."""
     graph = build_graph(joint, name=options.name, replay_rng=options.replay_rng)
     variant = None
     if _structure(graph) != _structure(previous.graph):

@@ -5,9 +5,9 @@ the schedule a test plans and runs: a test that holds for most schedules then fa
 So wherever a test plans on a "measured" profile (Rockmate's default, also inside the lean
 variant's profile, which times its own ops even when given another plan's times), node times
 are the roofline estimate (`rkgraph.estimate_times`): a function of the graph alone. The rest
-of the measurement stays real: the replays run the real kernels, and the kernels' scratch is
-measured from the allocator's events as before (the warm-up replay that measurement expects is
-kept). Tests of the measurement itself opt out with `@pytest.mark.measures_time`.
+of the measurement stays real: the warm-up replay runs the real kernels, and the kernels' scratch
+is measured op by op from the allocator's events as in any profile. Tests of the measurement
+itself opt out with `@pytest.mark.measures_time`.
 """
 
 from __future__ import annotations
