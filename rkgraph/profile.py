@@ -288,46 +288,62 @@ def _measurable(node: fx.Node) -> bool:
             and not any(target in r.scratch for r in REWRITES))
 
 
-def _synthetic(description: tuple, fills: dict[tuple, torch.Tensor] | None) -> torch.Tensor:
+def _synthetic(description: tuple, fills: dict[tuple, torch.Tensor] | None, own: bool = False) -> torch.Tensor:
     """A real tensor of the description's shape, strides, dtype and device: normal floats (one
     block drawn from a private generator, so the user's stream is untouched, and tiled: drawing
     every element would cost more than the ops measured), zeros otherwise, so that indices
-    index the first element and masks select nothing. With no `fills`, a meta tensor."""
+    index the first element and masks select nothing. With no `fills`, a meta tensor.
+
+    Unless `own`, the tensor is a view of one filled buffer per dtype and device (`fills`),
+    grown to the largest input asked for: filling every input afresh cost more than running
+    the ops, and inputs allocate nothing in the measured range either way. An op that writes
+    into its inputs gets tensors of its `own`, so what it writes reaches no other op's inputs."""
     _, shape, stride, dtype, device = description
     if fills is None:
         return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
     extent = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) if all(shape) else 0
+    base = None if own else fills.get((dtype, device))
+    if base is None or base.numel() < extent:
+        base = _filled(extent, dtype, device, fills)
+        if not own:
+            fills[dtype, device] = base
+    return base[:extent].as_strided(shape, stride)
+
+
+def _filled(extent: int, dtype: torch.dtype, device: torch.device, fills: dict[tuple, torch.Tensor]) -> torch.Tensor:
+    """`extent` elements: normal floats tiled from one drawn block (`_synthetic`), else zeros."""
     if dtype.is_floating_point and dtype.itemsize > 1 or dtype.is_complex:
-        block = fills.get((dtype, device))
+        block = fills.get(("block", dtype, device))
         if block is None:
             generator = torch.Generator(device).manual_seed(0)
-            block = fills[dtype, device] = torch.randn(_FILL_BLOCK, dtype=dtype, device=device, generator=generator)
+            block = fills["block", dtype, device] = torch.randn(_FILL_BLOCK, dtype=dtype, device=device,
+                                                                generator=generator)
         base = torch.empty(extent, dtype=dtype, device=device)
         whole = extent // _FILL_BLOCK * _FILL_BLOCK
         base[:whole].view(-1, _FILL_BLOCK).copy_(block)
         base[whole:].copy_(block[:extent - whole])
-    else:  # integers, booleans, and float8 (which has no random fill)
-        base = torch.zeros(extent, dtype=dtype, device=device)
-    return base.as_strided(shape, stride)
+        return base
+    return torch.zeros(extent, dtype=dtype, device=device)  # integers, booleans, float8 (no random fill)
 
 
 _FILL_BLOCK = 4099  # elements drawn once per dtype and device; prime, so rows of a tensor differ
 
 
 def _arguments(signature: object, made: dict[int, torch.Tensor],
-               fills: dict[tuple, torch.Tensor] | None) -> object:
-    """The op's arguments rebuilt from their signature (`_signature_of`), tensors synthetic."""
+               fills: dict[tuple, torch.Tensor] | None, own: bool = False) -> object:
+    """The op's arguments rebuilt from their signature (`_signature_of`), tensors synthetic
+    (`_synthetic`, with `own`)."""
     kind = signature[0]
     if kind == "node":
         _, place, description = signature
         if place not in made:
-            made[place] = _synthetic(description, fills)
+            made[place] = _synthetic(description, fills, own)
         return made[place]
     if kind == "const":
         return signature[1]
     if kind == "dict":
-        return {k: _arguments(v, made, fills) for k, v in signature[1:]}
-    parts = [_arguments(v, made, fills) for v in signature[1:]]
+        return {k: _arguments(v, made, fills, own) for k, v in signature[1:]}
+    parts = [_arguments(v, made, fills, own) for v in signature[1:]]
     return tuple(parts) if kind == "tuple" else parts
 
 
@@ -356,7 +372,7 @@ def _run_synthetic(target: torch._ops.OpOverload, signature: tuple, fills: dict[
     what it returned. The inputs are made before the range opens and everything is freed after
     it closes, so the range holds the call's own allocations, its outputs among them."""
     made: dict[int, torch.Tensor] = {}
-    args, kwargs = _arguments(signature[1], made, fills)
+    args, kwargs = _arguments(signature[1], made, fills, own=target._schema.is_mutable)
     sync = torch.cuda.synchronize if any(t.device.type == "cuda" for t in made.values()) else (lambda: None)
     sync()
     with record_function(label):
