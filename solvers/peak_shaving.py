@@ -47,6 +47,8 @@ NAME = "peak_shaving"
 # hundreds, and each build replays the whole schedule. A short list finds the same schedules as
 # a long one on nearly every Checkmate graph, several times sooner.
 SHORTLIST = 4
+# Of the time limit, the part in which the starts are repaired to fit; the rest improves them.
+REPAIR_SHARE = 0.5
 Drop = tuple[str, int]  # (data node, index of the node whose stage discards it)
 
 
@@ -383,10 +385,16 @@ def solve_peak_shaving(graph: RematGraph, budget: int, time_limit: float = 2.0, 
     # Those nearest to fitting first: they are repaired in a few builds, where the start from no
     # drops, far over the budget, can take the whole time limit and leave the others none (a
     # seed a little over the budget is often within a hair of the floor).
+    # Until a start over the budget has been repaired, each may take the whole time; after that
+    # the others get the repairs' part of the time limit only (a start far over the budget may
+    # need thousands of builds), and the rest is for improving those repaired.
+    repairs_end = start + REPAIR_SHARE * time_limit
+    repaired_one = False
     for trial in sorted((t for t in built if t is not None), key=lambda t: t.excess):
-        repaired = _repair(family, trial, deadline)
+        repaired = _repair(family, trial, repairs_end if repaired_one else deadline)
         if repaired is not None:
             starts.append(repaired)
+            repaired_one = repaired_one or trial.excess > 0
     if not starts:
         raise InfeasibleBudget(f"peak shaving found no schedule within {budget} bytes ({format_bytes(budget)})")
     pending = sorted({trial.drops: trial for trial in starts}.values(), key=lambda trial: trial.schedule.predicted_time)
