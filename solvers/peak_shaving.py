@@ -32,9 +32,9 @@ from solvers.dtr import solve_dtr
 from solvers.schedule import Op, Schedule
 from solvers.simulate import (
     InfeasibleBudget,
-    _held_by_code,
     free_at_last_use,
     freed_with,
+    held_by_code,
     released_inside,
     simulate,
     to_recompute,
@@ -128,7 +128,7 @@ class _Family:
         # What the generated code holds beyond the data (generator states of draws made again,
         # copies of mutated buffers): without it a trial that fits here could overshoot in the
         # referee, and the search would end with nothing.
-        held = _held_by_code(graph, schedule)
+        held = held_by_code(graph, schedule)
         alive: set[str] = set()
         memory, values, excess = 0, [], 0
         for i, op in enumerate(schedule.ops):
