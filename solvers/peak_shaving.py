@@ -382,12 +382,10 @@ def solve_peak_shaving(graph: RematGraph, budget: int, time_limit: float = 2.0, 
     # Every start is repaired before any is improved (`_improve` undoes unneeded drops first,
     # each start in its share of the time): undoing one start's drops takes a build per drop,
     # hundreds on a large model, and left the other starts no time to be repaired at all.
-    # Those nearest to fitting first: they are repaired in a few builds, where the start from no
-    # drops, far over the budget, can take the whole time limit and leave the others none (a
-    # seed a little over the budget is often within a hair of the floor).
-    # Until a start over the budget has been repaired, each may take the whole time; after that
-    # the others get the repairs' part of the time limit only (a start far over the budget may
-    # need thousands of builds), and the rest is for improving those repaired.
+    # The nearest to fitting first, each in the whole time until one over the budget fits (a
+    # seed a little over the budget is repaired in a few builds, often within a hair of the
+    # floor); the farther ones then only in the repairs' part of the time limit: the start from
+    # no drops, far over the budget, can take thousands of builds and leave nothing to improve.
     repairs_end = start + REPAIR_SHARE * time_limit
     repaired_one = False
     for trial in sorted((t for t in built if t is not None), key=lambda t: t.excess):
