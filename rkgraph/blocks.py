@@ -3,8 +3,8 @@
 A cut after forward node i is a point where exactly one activation produced at or before i is
 read by a forward node after it: every path of the forward passes through that tensor, as
 between two transformer layers or two ResNet stages. Backward uses do not break the chain,
-and neither do tensors that do not depend on the model's inputs (an attention mask built from
-shapes, a position embedding): every block may read those, as it reads parameters.
+and neither do the values every block may read as it reads parameters (`chain_constants`:
+an attention mask built from shapes or from the padding mask, positions, a position embedding).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def cut_points(graph: RematGraph) -> list[int]:
         for d in node.inputs:
             if graph.data[d].producer in position:
                 last_forward_use[d] = i
-    constant = input_independent(graph)
+    constant = chain_constants(graph)
     crossing: set[str] = set()
     cuts = []
     for i, node in enumerate(forward[:-1]):
@@ -49,13 +49,26 @@ def cut_pieces(graph: RematGraph) -> list[list[str]]:
     return pieces
 
 
-def input_independent(graph: RematGraph) -> set[str]:
-    """Activations computed from parameters, buffers and constants only."""
-    constant: set[str] = set()
+def chain_constants(graph: RematGraph) -> set[str]:
+    """Values that do not cut the chain of blocks, and that every block may read as it reads
+    parameters: forward activations computed from parameters, buffers and constants only (a
+    position embedding), or from the inputs, buffers and constants with no parameter read on
+    the way (what a model derives from its inputs once and hands to every layer: a language
+    model's attention mask from the padding mask, its positions, their rotary tables), and the
+    zero-byte values that order random draws (`DataNode.order_only`, held once made). Made
+    before the first layer and read by all, they would otherwise leave a model one block: no
+    single tensor crosses between its layers."""
+    return (_computed_from(graph, ("param", "buffer")) | _computed_from(graph, ("input", "buffer"))
+            | graph.order_values)
+
+
+def _computed_from(graph: RematGraph, kinds: tuple[str, ...]) -> set[str]:
+    """Forward activations whose every input is a source of `kinds` or such an activation."""
+    found: set[str] = set()
     for node in graph.forward_nodes:
-        if all(graph.data[d].kind in ("param", "buffer") or d in constant for d in node.inputs):
-            constant.update(node.outputs)
-    return constant
+        if all(graph.data[d].kind in kinds or d in found for d in node.inputs):
+            found.update(node.outputs)
+    return found
 
 
 def _signature(graph: RematGraph, block: list[str]) -> str:
@@ -92,7 +105,7 @@ def backward_blocks(graph: RematGraph, blocks: list[list[str]] | None = None) ->
     """
     blocks = graph.blocks if blocks is None else blocks
     block_of = {name: j for j, block in enumerate(blocks) for name in block}
-    constant = input_independent(graph)
+    constant = chain_constants(graph)
     made_in = {d: block_of[dn.producer] for d, dn in graph.data.items()
                if dn.producer in block_of and d not in constant}
     # Activations read by the forward of other blocks cross a cut: owned by their last reader.

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rkgraph.blocks import backward_blocks, derived_blocks, input_independent
+from rkgraph.blocks import backward_blocks, chain_constants, derived_blocks
 from rkgraph.graph import DataNode, RematGraph
 from solvers.schedule import Op, Schedule
 from solvers.simulate import InvalidSchedule, free_at_last_use, schedule_from_computes
@@ -106,7 +106,8 @@ def block_subgraph(graph: RematGraph, forward: Sequence[str], backward: Sequence
     for n in names:
         for d in graph.node(n).inputs:
             if graph.data[d].producer not in inside:
-                data[d] = DataNode(d, graph.data[d].size if d in incoming else 0, "input")
+                data[d] = DataNode(d, graph.data[d].size if d in incoming else 0, "input",
+                                   order_only=graph.data[d].order_only)
     for d in produced:
         dn = graph.data[d]
         data[d] = DataNode(d, 0 if d in unaccounted else dn.size, dn.kind, dn.producer, order_only=dn.order_only)
@@ -133,9 +134,16 @@ def subgraph_signature(sub: RematGraph) -> str:
         ins = []
         for d in node.inputs:
             producer = sub.data[d].producer
-            ins.append(f"{position[producer]}.{sub.node(producer).outputs.index(d)}" if producer
-                       else f"ext:{sub.data[d].kind}:{sub.data[d].size}")
-        outs = [(sub.data[d].size, d in sub.forward_outputs or d in sub.backward_outputs) for d in node.outputs]
+            if producer:
+                ins.append(f"{position[producer]}.{sub.node(producer).outputs.index(d)}")
+            elif not sub.data[d].order_only:
+                ins.append(f"ext:{sub.data[d].kind}:{sub.data[d].size}")
+        # A value that orders random draws (held once made, `DataNode.order_only`) is read from
+        # the layer before, except by the first layer's draw, and read after, except the last's:
+        # the layers are still identical.
+        outs = [(sub.data[d].size, not sub.data[d].order_only and (d in sub.forward_outputs
+                                                                   or d in sub.backward_outputs))
+                for d in node.outputs]
         parts.append(f"{node.op}|{node.backward}|{ins}|{outs}|{node.workspace}|{node.random}")
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()
 
@@ -233,9 +241,9 @@ def build_chain(graph: RematGraph, make_options: OptionMaker = lambda sub: [stor
     forward_blocks, backward_of = chain_blocks(graph)
     position = {name: j for j, block in enumerate(forward_blocks) for name in block}
     position.update({name: j for j, block in enumerate(backward_of) for name in block})
-    constant = input_independent(graph)
-    # Input-independent values read by other blocks are made once and read all along (an
-    # attention mask): like the held outputs and tangents, they are a constant of the chain.
+    constant = chain_constants(graph)
+    # Chain constants read by other blocks are made once and read all along (an attention
+    # mask): like the held outputs and tangents, they are a constant of the chain.
     shared = {d for d in constant if any(position.get(u) != position.get(graph.data[d].producer)
                                          for u in graph.users[d])}
     unaccounted = shared | set(graph.user_outputs)

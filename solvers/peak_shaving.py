@@ -30,7 +30,15 @@ from rkgraph.graph import RematGraph
 from rkgraph.units import format_bytes
 from solvers.dtr import solve_dtr
 from solvers.schedule import Op, Schedule
-from solvers.simulate import InfeasibleBudget, free_at_last_use, freed_with, released_inside, simulate, to_recompute
+from solvers.simulate import (
+    InfeasibleBudget,
+    free_at_last_use,
+    freed_with,
+    held_by_code,
+    released_inside,
+    simulate,
+    to_recompute,
+)
 
 NAME = "peak_shaving"
 
@@ -39,6 +47,8 @@ NAME = "peak_shaving"
 # hundreds, and each build replays the whole schedule. A short list finds the same schedules as
 # a long one on nearly every Checkmate graph, several times sooner.
 SHORTLIST = 4
+# Of the time limit, the part in which the starts are repaired to fit; the rest improves them.
+REPAIR_SHARE = 0.5
 Drop = tuple[str, int]  # (data node, index of the node whose stage discards it)
 
 
@@ -115,9 +125,16 @@ class _Family:
         A twin of `simulate`'s accounting, without its checks: a trial built through `simulate`
         takes markedly longer, and only the schedule returned needs the referee."""
         graph = self.graph
+        # What the generated code holds beyond the data (generator states of draws made again,
+        # copies of mutated buffers): without it a trial that fits here could overshoot in the
+        # referee, and the search would end with nothing.
+        held = held_by_code(graph, schedule)
         alive: set[str] = set()
         memory, values, excess = 0, [], 0
         for i, op in enumerate(schedule.ops):
+            if i == schedule.forward_length and held is not None and held.copies:
+                memory += held.copies
+                excess += max(0, memory - self.budget)
             if i == schedule.forward_length:
                 alive.update(self.tangents)
                 memory += sum(graph.data[d].size for d in self.tangents)
@@ -129,10 +146,15 @@ class _Family:
                 if node.releases:
                     stop = schedule.forward_length if i < schedule.forward_length else len(schedule.ops)
                     value -= released_inside(graph, node, freed_with(schedule.ops, i, stop))
+                if held is not None:
+                    memory += held.before.get(i, 0)
+                    value += held.before.get(i, 0) + held.during.get(i, 0)
                 for d in node.outputs:
                     if d not in alive:
                         alive.add(d)
                         memory += graph.data[d].size
+                if held is not None:
+                    memory -= held.after.get(i, 0)
                 excess += max(0, value - self.budget)
             else:  # never above the step before it
                 alive.discard(op.name)
@@ -354,12 +376,23 @@ def solve_peak_shaving(graph: RematGraph, budget: int, time_limit: float = 2.0, 
             seeds = [solve_dtr(graph, budget)]
         except InfeasibleBudget:
             seeds = []
+    built = [family.build(drops)
+             for drops in dict.fromkeys((frozenset(), *(_drops_of(family, seed) for seed in seeds)))]
     starts = []
-    for drops in (frozenset(), *(_drops_of(family, seed) for seed in seeds)):
-        trial = family.build(drops)
-        repaired = None if trial is None else _repair(family, trial, deadline)
+    # Every start is repaired before any is improved (`_improve` undoes unneeded drops first,
+    # each start in its share of the time): undoing one start's drops takes a build per drop,
+    # hundreds on a large model, and left the other starts no time to be repaired at all.
+    # The nearest to fitting first, each in the whole time until one over the budget fits (a
+    # seed a little over the budget is repaired in a few builds, often within a hair of the
+    # floor); the farther ones then only in the repairs' part of the time limit: the start from
+    # no drops, far over the budget, can take thousands of builds and leave nothing to improve.
+    repairs_end = start + REPAIR_SHARE * time_limit
+    repaired_one = False
+    for trial in sorted((t for t in built if t is not None), key=lambda t: t.excess):
+        repaired = _repair(family, trial, repairs_end if repaired_one else deadline)
         if repaired is not None:
-            starts.append(_undo_unneeded(family, repaired, deadline))
+            starts.append(repaired)
+            repaired_one = repaired_one or trial.excess > 0
     if not starts:
         raise InfeasibleBudget(f"peak shaving found no schedule within {budget} bytes ({format_bytes(budget)})")
     pending = sorted({trial.drops: trial for trial in starts}.values(), key=lambda trial: trial.schedule.predicted_time)

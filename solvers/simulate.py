@@ -85,7 +85,7 @@ def to_recompute(graph: RematGraph, data: Iterable[str], available: Container[st
 
 
 @dataclass
-class _HeldByCode:
+class HeldByCode:
     """Bytes the generated code holds beyond the graph's data nodes, by op index of a schedule:
     recorded generator states of random nodes computed again, and copies of mutated sources
     that the backward reads (`rkgraph.graph`'s memory semantics)."""
@@ -96,10 +96,13 @@ class _HeldByCode:
     copies: int = 0  # allocated at the end of the forward
 
 
-def _held_by_code(graph: RematGraph, schedule: Schedule) -> _HeldByCode | None:
+def held_by_code(graph: RematGraph, schedule: Schedule) -> HeldByCode | None:
+    """What `schedule`'s generated code holds beyond the graph's data, by op (None when the
+    graph has neither generator states nor mutated sources): `simulate` counts it, and so must
+    any search that measures schedules with an accounting of its own."""
     if not graph.rng_states and not graph.mutated_sources:
         return None
-    held = _HeldByCode()
+    held = HeldByCode()
     runs: dict[str, list[int]] = defaultdict(list)
     last_read: dict[str, int] = {}
     for i, op in enumerate(schedule.ops):
@@ -161,7 +164,7 @@ def simulate(graph: RematGraph, schedule: Schedule, budget: int | None = None) -
     counts: dict[str, int] = defaultdict(int)
     user_outputs, backward_outputs = frozenset(graph.user_outputs), frozenset(graph.backward_outputs)
     tangents = frozenset(graph.tangents)
-    held = _held_by_code(graph, schedule)
+    held = held_by_code(graph, schedule)
     held_into_backward = 0
     last_run_once: str | None = None  # the latest random or rng node computed for the first time
 

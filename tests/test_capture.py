@@ -352,3 +352,25 @@ def test_cuda_storages_are_counted_in_the_allocators_blocks() -> None:
         cpu = torch.empty(3)
     assert [_tensor_bytes(t) for t in sizes] == [0, 512, 512, 1024]
     assert _tensor_bytes(cpu) == 12
+
+
+def test_a_language_models_layers_are_blocks_of_their_own() -> None:
+    """The attention mask (made from the padding mask) and the values that order random draws
+    are read by every layer: they must not keep the layers from being cut apart, or the chain
+    sees the whole model as one block (no MILP options, nothing reused across layers)."""
+    pytest.importorskip("transformers")
+    from rockplan import zoo
+
+    model, args, kwargs, loss_fn = zoo.make("hf_llama", "tiny")
+    graph = Rockmate(zoo.WithLoss(model, loss_fn), (args, kwargs), 1.0, solver="store_all",
+                     profile="estimate").graph
+
+    def layer(name: str) -> str | None:
+        parts = graph.node(name).module.split(".")
+        return parts[3] if parts[:3] == ["model", "model", "layers"] and len(parts) > 3 else None
+
+    layers_of = [{layer(name) for name in block} - {None} for block in graph.blocks]
+    assert all(len(layers) <= 1 for layers in layers_of)  # no block spans two layers
+    # Each layer's last block (its MLP) looks like the other layer's.
+    last = {next(iter(layers)): graph.block_classes[j] for j, layers in enumerate(layers_of) if layers}
+    assert len(last) == 2 and len(set(last.values())) == 1
