@@ -404,7 +404,8 @@ def measure_op_scratch(graph: RematGraph, joint: fx.GraphModule, nodes: Iterable
     values, assertions, ops on symbolic sizes or tensor subclasses, and any op that fails on
     the synthetic values. Draws are measured, the generators restored after."""
     fx_nodes = {n.name: n for n in joint.graph.nodes}
-    wanted = [node for node in graph.nodes if nodes is None or node.name in set(nodes)]
+    names = None if nodes is None else set(nodes)
+    wanted = [node for node in graph.nodes if names is None or node.name in names]
     scratch = _op_scratches(joint)
     for node in wanted:
         node.workspace += max((known_scratch(fx_nodes[name]) if scratch.get(name) is None else scratch[name]
