@@ -12,7 +12,7 @@ Per model: graph nodes (autograd's graph, after the rewrites), and seconds spent
   step, or estimated: `--profile`) and cutting it into blocks;
 - solve: the portfolio, split by its stages (the proven floors, DTR's variants, saved values,
   peak shaving, greedy checkpoints, the chain of blocks, the flat MILP), and the referee;
-and the process's peak resident memory (ru_maxrss) with how much of it planning added.
+and the process's peak resident memory (ru_maxrss) with how much planning raised it.
 Where the budget is below what the model can run in (a large model's parameters and gradients
 alone can be over 0.7 of its peak), the row says so, with how long the refusal took, and its
 figures are those of a plan at the smallest budget known to be feasible
@@ -185,12 +185,9 @@ def timed(module: object, name: str, into: dict[str, float], label: str) -> Iter
         setattr(module, name, original)
 
 
-def _rss() -> int:
-    """Resident memory now, in bytes (Linux)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
+def _peak_rss() -> int:
+    """The process's peak resident memory so far, in bytes (Linux reports kilobytes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def plan_one(name: str, budget: float | int, profile: str) -> dict[str, object]:
@@ -214,7 +211,7 @@ def plan_one(name: str, budget: float | int, profile: str) -> dict[str, object]:
     for (module_name, attr), label in {**SOLVE_PARTS, **TRACE_PARTS}.items():
         stack.enter_context(timed(importlib.import_module(module_name), attr, seconds, label))
     stack.enter_context(timed(planner, "_solve", seconds, "portfolio"))
-    rss_before = _rss()
+    peak_before = _peak_rss()  # the model and its inputs built: about what the process holds
     start = time.perf_counter()
     min_feasible = None
     with stack:
@@ -225,13 +222,13 @@ def plan_one(name: str, budget: float | int, profile: str) -> dict[str, object]:
         except InfeasibleBudget:
             outcome = "infeasible"
     total = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _peak_rss()
     if outcome == "infeasible":  # after the figures: this plan is not the one timed
         plan = Rockmate(model, sample, 1.0, solver="store_all", profile=profile).plan
         min_feasible = min_feasible_budget(plan.graph)
     return {"model": name, "profile": profile, "nodes": len(plan.times),  # autograd's graph, after the rewrites
             "total": total, "outcome": outcome, "seconds": dict(seconds), "peak_rss": peak,
-            "planning_rss": max(0, peak - rss_before), "min_feasible": min_feasible,
+            "planning_rss": max(0, peak - peak_before), "min_feasible": min_feasible,
             "store_all_peak": plan.reference.predicted_peak}
 
 
@@ -246,7 +243,8 @@ def markdown(rows: list[dict[str, object]], ratio: float) -> str:
         "metadata pass and joint trace, PyTorch's part. The columns after "
         "solve split it by part (solve also counts what is not listed: the referee's replays inside "
         "the solvers, the baselines); the lean variant's solve counts in the same columns. Peak RSS: "
-        "the planning process's, and how much planning added to what the model and its inputs held. "
+        "the planning process's, and how much planning raised it above the peak reached building the "
+        "model and its inputs. "
         "Plan from: the portfolio's member whose schedule was kept; where the budget is infeasible, how "
         "long the refusal took, and the row's figures are those of a plan at the smallest feasible budget.",
         "",
