@@ -24,6 +24,7 @@ each, and a Pareto plot beside it (step time against measured peak, one line per
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import logging
@@ -187,11 +188,18 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
 
 
 def bench_model(name: str, size: str, ratios: list[float | str], repeats: int, solvers: list[str],
-                knobs: tuple[float, ...] = COMPILE_KNOBS) -> list[Row]:
+                knobs: tuple[float, ...] = COMPILE_KNOBS, autocast: torch.dtype | None = None) -> list[Row]:
     """Every method's rows for zoo model `name` at each ratio of the predicted store-all peak
-    ("min": the smallest budget a schedule is known for, MIN_BUDGET_MARGIN above it)."""
+    ("min": the smallest budget a schedule is known for, MIN_BUDGET_MARGIN above it).
+
+    With `autocast` (a dtype), every method's forward runs under `torch.autocast` with it, as
+    mixed-precision training does, and rockplan plans under the same autocast (its graph holds
+    the casts)."""
     model, args, kwargs, loss_fn = zoo.make(name, size)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def amp() -> contextlib.AbstractContextManager:
+        return torch.autocast(device, dtype=autocast) if autocast else contextlib.nullcontext()
     # The loss inside the module: every method's measured step is the whole step, loss included.
     model = zoo.WithLoss(model, loss_fn).to(device)
     args, kwargs = tree_map(lambda a: a.to(device) if isinstance(a, torch.Tensor) else a, (args, kwargs))
@@ -199,7 +207,8 @@ def bench_model(name: str, size: str, ratios: list[float | str], repeats: int, s
     def step(module: torch.nn.Module) -> Callable[[], object]:
         def run() -> object:
             module.zero_grad(set_to_none=True)
-            loss = module(*args, **kwargs)
+            with amp():
+                loss = module(*args, **kwargs)
             loss.backward()
             return loss.detach()
         return run
@@ -210,7 +219,8 @@ def bench_model(name: str, size: str, ratios: list[float | str], repeats: int, s
         return measure_step(step(module), device=device).peak
 
     eager = copy.deepcopy(model)
-    probe = Rockmate(copy.deepcopy(model), (args, kwargs), 1.0, solver="store_all")
+    with amp():
+        probe = Rockmate(copy.deepcopy(model), (args, kwargs), 1.0, solver="store_all")
     reference = probe.store_all_peak
     # Every plan of this model on the probe's measured costs: a profile measured anew per row
     # moved predictions by up to 10 points, so rows were not comparable.
@@ -246,7 +256,8 @@ def bench_model(name: str, size: str, ratios: list[float | str], repeats: int, s
             rows.append(row)
             try:
                 start = time.perf_counter()
-                rk = Rockmate(copy.deepcopy(model), (args, kwargs), budget, solver=solver, profile=times)
+                with amp():
+                    rk = Rockmate(copy.deepcopy(model), (args, kwargs), budget, solver=solver, profile=times)
                 row.plan_time = time.perf_counter() - start
             except (InfeasibleBudget, InvalidSchedule) as e:
                 row.note = str(e).splitlines()[0][:240]
@@ -452,6 +463,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=0,
                         help="torch's CPU threads (default: torch's choice). On a machine shared with other jobs, "
                              "1: a thread descheduled stalls the others at every op, and steps slow and scatter")
+    parser.add_argument("--autocast", choices=["bf16", "fp16"],
+                        help="every method's forward under torch.autocast with this dtype (rockplan planned under it)")
     parser.add_argument("--default-heap", action="store_true",
                         help="leave glibc's malloc thresholds adaptive (see steady_cpu_heap)")
     args = parser.parse_args(argv)
@@ -469,6 +482,9 @@ def main(argv: list[str] | None = None) -> None:
         heap = "CPU heap: glibc's malloc thresholds fixed (mmap 32 MiB, no trim; `steady_cpu_heap`)"
     else:
         heap = "CPU heap: glibc's adaptive thresholds"
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.autocast]
+    if autocast:
+        heap += f"; every method's forward under torch.autocast({autocast})"
     out = Path(args.out)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -477,12 +493,13 @@ def main(argv: list[str] | None = None) -> None:
                     f"--repeats {args.repeats}{' --solvers ' + args.solvers if args.solvers else ''}"
                     f"{'' if knobs == COMPILE_KNOBS else ' --knobs ' + args.knobs}"
                     f"{f' --threads {args.threads}' if args.threads else ''}"
+                    f"{f' --autocast {args.autocast}' if args.autocast else ''}"
                     f"{' --default-heap' if args.default_heap else ''}"
                     f"{'' if out.resolve() == (PAGES / 'models.md').resolve() else ' --out ' + args.out}")
     rows: list[Row] = []
     for name in args.models.split(","):
         ratios = [r if r == "min" else float(r) for r in args.ratios.split(",")]
-        rows += bench_model(name, args.size, ratios, args.repeats, solvers, knobs)
+        rows += bench_model(name, args.size, ratios, args.repeats, solvers, knobs, autocast)
         # After each model: a long run keeps what it measured.
         write_page(out, "Models: measured step peak and step time", markdown(rows, device, heap), command_line)
         pareto_plot(rows, out.with_suffix(".png"))
