@@ -50,7 +50,7 @@ import itertools
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -279,11 +279,11 @@ _KINDS = (  # module attribute, global dict, kind
 )
 
 
-def hook_ids(model: nn.Module) -> tuple:
-    """The handles of every module hook `model` and the global registries hold: a plan was
-    traced with these hooks, and runs those only."""
+def hook_ids(modules: Iterable[nn.Module]) -> tuple:
+    """The handles of every module hook `modules` (a model's `modules()`) and the global
+    registries hold: a plan was traced with these hooks, and runs those only."""
     kinds = [attr for attr, _, _ in _KINDS]
-    local = tuple(tuple(tuple(getattr(m, attr)) for attr in kinds) for m in model.modules())
+    local = tuple(tuple(tuple(getattr(m, attr)) for attr in kinds) for m in modules)
     return local, tuple(tuple(getattr(module_globals, attr)) for _, attr, _ in _KINDS)
 
 

@@ -28,9 +28,11 @@ from torch._dynamo.backends.debugging import boxed_nop
 from rkgraph.capture import (
     CaptureError,
     FlatCall,
+    ModuleTree,
     flat_tensors,
     flatten_call,
     joint_graph,
+    module_tree,
     splits_into_graphs,
     trace,
     training_function,
@@ -76,8 +78,9 @@ class PlannedStep:
     plan_time: float  # seconds: capture, profile and solve
 
 
-def _signature(model: nn.Module, args: tuple, kwargs: dict, parameters: tuple | None = None) -> tuple:
-    """What a plan was traced under, and so must hold again for it to apply (its guards):
+def _signature(tree: ModuleTree, args: tuple, kwargs: dict, parameters: tuple | None = None) -> tuple:
+    """What a plan was traced under, and so must hold again for it to apply (its guards), for
+    a model whose modules, parameters and buffers are `tree`:
     the inputs' structure, shapes, dtypes and devices; the parameters'; every submodule's
     train/eval mode (dropout and BatchNorm trace differently in each: a plan made in eval mode,
     as `from_pretrained` returns models, must not run after `train()`); autocast per device
@@ -92,9 +95,9 @@ def _signature(model: nn.Module, args: tuple, kwargs: dict, parameters: tuple | 
         for x in leaves
     )
     if parameters is None:
-        parameters = tuple((p.dtype, p.device, p.requires_grad) for p in model.parameters())
-    modes = tuple(m.training for m in model.modules())
-    return (str(spec), described, parameters, modes, autocast_state(), hook_ids(model))
+        parameters = tuple((p.dtype, p.device, p.requires_grad) for p in tree.parameters)
+    modes = tuple(m.training for m in tree.modules)
+    return (str(spec), described, parameters, modes, autocast_state(), hook_ids(tree.modules))
 
 
 def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
@@ -265,8 +268,9 @@ class Rockmate(nn.Module):
         return {**self.__dict__, "_steps": OrderedDict(), "_current": None}
 
     # --- planning ------------------------------------------------------------------------------
-    def _signature(self, args: tuple, kwargs: dict) -> tuple:
-        return _signature(self.model, args, kwargs, None if self._sharded is None else self._sharded.declared)
+    def _signature(self, args: tuple, kwargs: dict, tree: ModuleTree | None = None) -> tuple:
+        return _signature(tree or module_tree(self.model), args, kwargs,
+                          None if self._sharded is None else self._sharded.declared)
 
     def _plan(self, args: tuple, kwargs: dict) -> PlannedStep:
         """Capture the step on fake tensors and plan it, inside AOTAutograd's partition step;
@@ -366,7 +370,8 @@ class Rockmate(nn.Module):
         if under_torch_compile and not self._warned_torch_compile:
             self._warned_torch_compile = True
             warnings.warn(TORCH_COMPILE_WARNING, stacklevel=2)
-        signature = self._signature(args, kwargs)
+        tree = module_tree(self.model)  # one walk for the guards and the step's inputs
+        signature = self._signature(args, kwargs, tree)
         step = self._steps.get(signature)
         if step is None:
             new = signature != self._sample_signature  # or the sample's plan was dropped, or not pickled
@@ -381,7 +386,7 @@ class Rockmate(nn.Module):
         else:
             self._steps.move_to_end(signature)
         self._current = step
-        out = step.compiled(*(flat_tensors(self.model, step.flat, args, kwargs) if self._sharded is None
+        out = step.compiled(*(flat_tensors(tree, step.flat, args, kwargs) if self._sharded is None
                               else self._sharded.step_tensors(step.flat, args, kwargs)))
         return step.flat.result(self.model, out)
 

@@ -374,3 +374,37 @@ def test_a_language_models_layers_are_blocks_of_their_own() -> None:
     # Each layer's last block (its MLP) looks like the other layer's.
     last = {next(iter(layers)): graph.block_classes[j] for j, layers in enumerate(layers_of) if layers}
     assert len(last) == 2 and len(set(last.values())) == 1
+
+
+def test_module_tree_lists_what_nn_modules_methods_list() -> None:
+    """One walk gives what `modules()`, `parameters()` and `buffers()` give, in their order,
+    with a module reached twice, a tied parameter, a tensor that is a parameter in one module
+    and a buffer in another, and None entries."""
+    from rkgraph.capture import module_tree
+
+    shared = nn.Linear(4, 4)
+    net = nn.Sequential(shared, nn.ReLU(), nn.Sequential(shared, nn.Linear(4, 4)), nn.BatchNorm1d(4))
+    net[2][1].weight = shared.weight
+    net[1].register_buffer("same_as_a_bias", shared.bias)
+    net[1].register_buffer("absent", None)
+    net[3].register_parameter("absent", None)
+    net.add_module("nothing", None)
+    tree = module_tree(net)
+    assert tree.modules == list(net.modules())
+    assert tree.parameters == list(net.parameters())
+    assert [id(b) for b in tree.buffers] == [id(b) for b in net.buffers()]
+    assert any(b is shared.bias for b in tree.buffers)
+
+
+@pytest.mark.parametrize("name", ["hf_llama", "hf_bert"])
+def test_module_tree_of_hugging_face_models(name: str) -> None:
+    from rkgraph.capture import module_tree
+    from rockplan import zoo
+
+    if name not in zoo.ZOO:
+        pytest.skip("transformers is not installed")
+    model = zoo.make(name, "tiny")[0]
+    tree = module_tree(model)
+    assert tree.modules == list(model.modules())
+    assert tree.parameters == list(model.parameters())
+    assert [id(b) for b in tree.buffers] == [id(b) for b in model.buffers()]

@@ -578,3 +578,18 @@ def test_long_sequences_plan_with_attention_fused() -> None:
     torch.testing.assert_close(planned.result, _step(stored, args, kwargs), rtol=0, atol=0)
     _assert_same_state(model, stored_model)
     assert planned.peak <= rk.budget
+
+
+@pytest.mark.parametrize(("budget", "solver"), [(1.0, "store_all"), (0.5, "dtr")])
+def test_generated_code_derives_a_view_once_while_its_base_lives(budget: float, solver: str) -> None:
+    """Each view op of the generated step runs once per value of its base (a recomputed base
+    gives its views anew): a view derived again at every use cost an op call each time."""
+    from rkgraph.build import is_view
+    from rockplan.codegen import generate
+
+    model, args, kwargs, _loss = zoo.make("gpt", "tiny")
+    rk = Rockmate(model, (args, kwargs), budget, solver=solver)
+    plan = rk._current.plan
+    for module in generate(plan.joint, plan.graph, plan.schedule):
+        views = [(n.target, n.args, tuple(n.kwargs.items())) for n in module.graph.nodes if is_view(n)]
+        assert views and len(views) == len(set(map(repr, views))), module.code
