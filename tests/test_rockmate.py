@@ -209,8 +209,10 @@ def test_rotor_is_valid_or_says_infeasible(seed: int, fraction: float) -> None:
     try:
         s = solve_rotor(graph, budget)
     except InfeasibleBudget:
-        # Its chain's plans include keeping every block and checkpointing every block: a
-        # refusal is right only below both.
-        assert budget < min(store_all.predicted_peak, solve_checkpoint_blocks(graph).predicted_peak)
+        # Its chain's plans include keeping every block: a refusal is right only below that.
+        # Not below checkpointing every block: rotor runs a block's forward again whole, while
+        # checkpoint_blocks recomputes what the backward reads, which can peak lower (a graph
+        # of one block: 47 against rotor's 56 bytes).
+        assert budget < store_all.predicted_peak
         return
     assert simulate(graph, s, budget).peak == s.predicted_peak <= budget
