@@ -452,7 +452,8 @@ def main(argv: list[str] | None = None) -> None:
     # Hugging Face GPT-2 (random weights, built from a config) when transformers is installed.
     models = ["mlp", "resnet", "gpt", "unet", *(["hf_gpt2"] if "hf_gpt2" in zoo.ZOO else [])]
     parser.add_argument("--models", default=",".join(models))
-    parser.add_argument("--size", default="default", choices=["tiny", "default"])
+    parser.add_argument("--size", default="default", choices=["tiny", "default", "large"],
+                        help="large: the zoo's GPU sizes, whose steps keep a GPU busy (gpt, resnet, hf_llama, hf_bert)")
     parser.add_argument("--ratios", default="1.0,0.7,0.5,0.35,min",
                         help="ratios of the predicted store-all peak; min: the smallest budget a schedule is known for")
     parser.add_argument("--knobs", default=",".join(map(str, COMPILE_KNOBS)),
