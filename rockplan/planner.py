@@ -147,7 +147,7 @@ def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = Pl
     # A plan file that matched autograd's graph leaves nothing to choose.
     needs_less_memory = not considered and (chosen is None or (
         options.plan_file is None and chosen[2].predicted_time > reference.predicted_time))
-    if needs_less_memory and options.lean_variant and lean.exists():
+    if needs_less_memory and options.lean_variant and lean.build():
         # No use solving it when its proven floor is above the plan in hand.
         hopeless = not lean.solved(below=None if chosen is None else chosen[2].predicted_time)
         other = lean.schedule
@@ -215,7 +215,10 @@ class _LeanVariant:
         self.failure: Exception | None = None  # InfeasibleBudget from its solve
         self._solve_done = False
 
-    def exists(self) -> bool:
+    def build(self) -> bool:
+        """Whether the joint graph has a lean variant; on the first call, derive it, cost it
+        (a profile of its own ops) and prove its floor: seconds of work, done only when a
+        caller needs the variant."""
         if not self._made:
             self._made = True
             self.joint = lean_variant(self._of)
@@ -233,7 +236,7 @@ class _LeanVariant:
     def solved(self, below: float | None) -> bool:
         """Whether it is solved (its `schedule`, or its `failure`), solving it now unless its
         proven floor is at or above `below` (seconds; None: no bound)."""
-        if not self._solve_done and self.exists():
+        if not self._solve_done and self.build():
             if below is not None and self.floor[0] >= below:
                 return False
             self._solve_done = True
