@@ -382,17 +382,19 @@ def solve_peak_shaving(graph: RematGraph, budget: int, time_limit: float = 2.0, 
     # Every start is repaired before any is improved (`_improve` undoes unneeded drops first,
     # each start in its share of the time): undoing one start's drops takes a build per drop,
     # hundreds on a large model, and left the other starts no time to be repaired at all.
-    # The nearest to fitting first, each in the whole time until one over the budget fits (a
-    # seed a little over the budget is repaired in a few builds, often within a hair of the
-    # floor); the farther ones then only in the repairs' part of the time limit: the start from
-    # no drops, far over the budget, can take thousands of builds and leave nothing to improve.
+    # The nearest to fitting first, each in the whole time until one fits (a seed a little over
+    # the budget is repaired in a few builds, often within a hair of the floor); the farther
+    # ones then only in the repairs' part of the time limit: the start from no drops, far over
+    # the budget, can take thousands of builds and leave nothing to improve. A seed that fits
+    # as it is counts: on a graph of many ops of nearly equal cost (a GPU step bound by kernel
+    # launches), the start from no drops given the whole time left such seeds unimproved.
     repairs_end = start + REPAIR_SHARE * time_limit
-    repaired_one = False
+    one_fits = False
     for trial in sorted((t for t in built if t is not None), key=lambda t: t.excess):
-        repaired = _repair(family, trial, repairs_end if repaired_one else deadline)
+        repaired = _repair(family, trial, repairs_end if one_fits else deadline)
         if repaired is not None:
             starts.append(repaired)
-            repaired_one = repaired_one or trial.excess > 0
+            one_fits = True
     if not starts:
         raise InfeasibleBudget(f"peak shaving found no schedule within {budget} bytes ({format_bytes(budget)})")
     pending = sorted({trial.drops: trial for trial in starts}.values(), key=lambda trial: trial.schedule.predicted_time)
