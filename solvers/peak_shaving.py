@@ -304,7 +304,11 @@ def _undo_unneeded(family: _Family, trial: _Trial, deadline: float) -> _Trial:
     improved = True
     while improved:
         improved = False
-        for drop in sorted(trial.drops):
+        # The drops whose undoing brings the fewest bytes back first: the likeliest to fit. On
+        # a large model of ops of nearly equal cost (a GPU step bound by kernel launches) the
+        # time runs out before every drop is tried, and DTR's seeds drop tiny values (scalars, index
+        # ranges) whose recomputation costs as much as a matrix product's.
+        for drop in sorted(trial.drops, key=lambda drop: (family.graph.data[drop[0]].size, drop)):
             if time.perf_counter() > deadline:
                 return trial
             if family.still_needed(trial, drop):
