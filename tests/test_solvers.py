@@ -360,6 +360,27 @@ def test_below_the_in_order_floor_the_portfolio_runs_only_the_chain(monkeypatch:
     else:  # the chain may leave autograd's order
         assert schedule.extra["schedule_from"] in ("rockmate", "rotor") and schedule.predicted_peak <= 130
 
+def test_the_portfolio_gives_the_heuristics_more_time_on_larger_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build of peak shaving is linear in the graph and a tight budget needs more drops on a
+    larger one: on hundreds of nodes of equal cost, a fixed time left the search far above the
+    floor. Small graphs keep the fixed time."""
+    limits = []
+
+    class Recorded(Exception):
+        pass
+
+    def recording(graph: RematGraph, budget: int, time_limit: float, **options: object) -> None:
+        limits.append(time_limit)
+        raise Recorded
+
+    monkeypatch.setattr(portfolio, "heuristic_candidates", recording)
+    for n in (10, 200):  # 20 and 400 nodes, all of the same time
+        graph = chain_graph(n)
+        with pytest.raises(Recorded):
+            portfolio.solve_rockmate(graph, budget_at(graph, 0.5))
+    assert limits[0] == portfolio.HEURISTICS_TIME < limits[1]
+
+
 
 @pytest.mark.parametrize(("seed", "fraction"), [(24, 0.5), (29, 0.1), (34, 0.5)])
 def test_the_milp_keeps_a_gradient_once_made(seed: int, fraction: float) -> None:
