@@ -304,7 +304,11 @@ def _undo_unneeded(family: _Family, trial: _Trial, deadline: float) -> _Trial:
     improved = True
     while improved:
         improved = False
-        for drop in sorted(trial.drops):
+        # The drops whose undoing brings the fewest bytes back first: the likeliest to fit. On
+        # a large model of ops of nearly equal cost (a GPU step bound by kernel launches) the
+        # time runs out before every drop is tried, and DTR's seeds drop tiny values (scalars, index
+        # ranges) whose recomputation costs as much as a matrix product's.
+        for drop in sorted(trial.drops, key=lambda drop: (family.graph.data[drop[0]].size, drop)):
             if time.perf_counter() > deadline:
                 return trial
             if family.still_needed(trial, drop):
@@ -382,17 +386,19 @@ def solve_peak_shaving(graph: RematGraph, budget: int, time_limit: float = 2.0, 
     # Every start is repaired before any is improved (`_improve` undoes unneeded drops first,
     # each start in its share of the time): undoing one start's drops takes a build per drop,
     # hundreds on a large model, and left the other starts no time to be repaired at all.
-    # The nearest to fitting first, each in the whole time until one over the budget fits (a
-    # seed a little over the budget is repaired in a few builds, often within a hair of the
-    # floor); the farther ones then only in the repairs' part of the time limit: the start from
-    # no drops, far over the budget, can take thousands of builds and leave nothing to improve.
+    # The nearest to fitting first, each in the whole time until one fits (a seed a little over
+    # the budget is repaired in a few builds, often within a hair of the floor); the farther
+    # ones then only in the repairs' part of the time limit: the start from no drops, far over
+    # the budget, can take thousands of builds and leave nothing to improve. A seed that fits
+    # as it is counts: on a graph of many ops of nearly equal cost (a GPU step bound by kernel
+    # launches), the start from no drops given the whole time left such seeds unimproved.
     repairs_end = start + REPAIR_SHARE * time_limit
-    repaired_one = False
+    one_fits = False
     for trial in sorted((t for t in built if t is not None), key=lambda t: t.excess):
-        repaired = _repair(family, trial, repairs_end if repaired_one else deadline)
+        repaired = _repair(family, trial, repairs_end if one_fits else deadline)
         if repaired is not None:
             starts.append(repaired)
-            repaired_one = repaired_one or trial.excess > 0
+            one_fits = True
     if not starts:
         raise InfeasibleBudget(f"peak shaving found no schedule within {budget} bytes ({format_bytes(budget)})")
     pending = sorted({trial.drops: trial for trial in starts}.values(), key=lambda trial: trial.schedule.predicted_time)

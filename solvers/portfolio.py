@@ -54,6 +54,14 @@ FLAT_ILP_MIN_LOOK = 3.0  # seconds
 # The chain stage takes a while even when its MILPs get no time: when something already fits,
 # it needs this long and a fifth of the time limit left.
 CHAIN_MIN_TIME = 0.5  # seconds
+# The heuristics' time: HEURISTICS_TIME, and on larger graphs a second per HEURISTIC_NODES_PER_SECOND
+# nodes (within 0.8 of the time limit). A build of peak shaving is linear in the graph, and the
+# drops a tight budget needs grow with it: where every op costs about the same (a GPU step bound
+# by kernel launches, where a plan recomputes hundreds of small ops), a fixed time left the search
+# far above the floor on models of several hundred nodes, while it meets the floor in a fraction
+# of that time where a few large ops dominate (it then stops there).
+HEURISTICS_TIME = 3.0  # seconds
+HEURISTIC_NODES_PER_SECOND = 100
 
 
 def heuristic_candidates(graph: RematGraph, budget: int, time_limit: float,
@@ -155,7 +163,8 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
         # The heuristics first: they take a fraction of a second and often meet the floor, and
         # they beat the chain plan where the chain model is coarse.
         if in_order:
-            candidates += heuristic_candidates(graph, budget, time_limit=min(3.0, 0.8 * time_limit),
+            heuristics_time = max(HEURISTICS_TIME, len(graph.nodes) / HEURISTIC_NODES_PER_SECOND)
+            candidates += heuristic_candidates(graph, budget, time_limit=min(heuristics_time, 0.8 * time_limit),
                                                good_enough=floor * (1 + gap), known=candidates)
         if candidates:
             min_memory_joins(unless_slower_than=min(s.predicted_time for s in candidates))

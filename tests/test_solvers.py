@@ -360,6 +360,27 @@ def test_below_the_in_order_floor_the_portfolio_runs_only_the_chain(monkeypatch:
     else:  # the chain may leave autograd's order
         assert schedule.extra["schedule_from"] in ("rockmate", "rotor") and schedule.predicted_peak <= 130
 
+def test_the_portfolio_gives_the_heuristics_more_time_on_larger_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build of peak shaving is linear in the graph and a tight budget needs more drops on a
+    larger one: on hundreds of nodes of equal cost, a fixed time left the search far above the
+    floor. Small graphs keep the fixed time."""
+    limits = []
+
+    class Recorded(Exception):
+        pass
+
+    def recording(graph: RematGraph, budget: int, time_limit: float, **options: object) -> None:
+        limits.append(time_limit)
+        raise Recorded
+
+    monkeypatch.setattr(portfolio, "heuristic_candidates", recording)
+    for n in (10, 200):  # 20 and 400 nodes, all of the same time
+        graph = chain_graph(n)
+        with pytest.raises(Recorded):
+            portfolio.solve_rockmate(graph, budget_at(graph, 0.5))
+    assert limits[0] == portfolio.HEURISTICS_TIME < limits[1]
+
+
 
 @pytest.mark.parametrize(("seed", "fraction"), [(24, 0.5), (29, 0.1), (34, 0.5)])
 def test_the_milp_keeps_a_gradient_once_made(seed: int, fraction: float) -> None:
@@ -484,6 +505,57 @@ def test_peak_shaving_skips_only_undos_that_cannot_fit(seed: int, fraction: floa
             other = family.build(trial.drops - {drop})
             assert (other is None or other.excess > 0
                     or other.schedule.predicted_time >= trial.schedule.predicted_time), drop
+
+
+def _shave_in_builds(monkeypatch: pytest.MonkeyPatch, graph: RematGraph, budget: int, builds: int,
+                     seeds: list[Schedule]) -> Schedule:
+    """`solve_peak_shaving` with its time counted in schedules built, not seconds: what it finds
+    within a time limit then does not depend on the machine."""
+    class BuildClock:
+        now = 0.0
+
+        def perf_counter(self) -> float:
+            return self.now
+
+    clock = BuildClock()
+    build = peak_shaving._Family._build
+
+    def counted(family: peak_shaving._Family, drops: frozenset) -> peak_shaving._Trial | None:
+        clock.now += 1.0
+        return build(family, drops)
+
+    monkeypatch.setattr(peak_shaving, "time", clock)
+    monkeypatch.setattr(peak_shaving._Family, "_build", counted)
+    s = solve_peak_shaving(graph, budget, time_limit=builds, seeds=seeds)
+    assert simulate(graph, s, budget).peak == s.predicted_peak <= budget
+    return s
+
+
+def test_peak_shaving_improves_a_seed_that_fits_before_the_start_from_no_drops_runs_out_its_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where every op costs the same (a GPU step bound by kernel launches), the repair of the
+    start from no drops takes a build per small drop; given the whole time limit, it left a
+    seed that fits as it is unimproved. Within 20 builds the seed that checkpoints segments is
+    shaved to the proven floor."""
+    graph = chain_graph(20)  # every node the same time, every activation the same size
+    budget = budget_at(graph, 0.3)
+    seed = solve_sqrt_segments(graph, budget)
+    assert seed.predicted_peak <= budget
+    s = _shave_in_builds(monkeypatch, graph, budget, 20, [seed])
+    assert s.predicted_time == time_lower_bound(graph, budget)[0] < seed.predicted_time
+
+
+def test_peak_shaving_undoes_the_drops_of_small_values_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Undoing a drop costs a build, and on a large model the time runs out before every drop
+    is tried: those that bring the fewest bytes back, likeliest to fit, go first. On ops of
+    equal cost, large and tiny values alternating, 40 builds take the minimum-memory seed below
+    three quarters of its time (undone in name order, above nine tenths)."""
+    graph = training_graph([100, 1] * 8, [1.0] * 16)
+    budget = budget_at(graph, 0.1)
+    seed = min_memory_schedule(graph)
+    assert seed.predicted_peak <= budget
+    s = _shave_in_builds(monkeypatch, graph, budget, 40, [seed])
+    assert s.predicted_time < 0.75 * seed.predicted_time
 
 
 @FAST
