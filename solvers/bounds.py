@@ -174,8 +174,12 @@ def time_lower_bound(graph: RematGraph, budget: int, steps: int = 64, closure: b
     with the highest floors, forward and backward. At the CLOSURE_STEPS moments the knapsacks
     rate tightest, a small MILP (`_remaking_time`) adds what the knapsack leaves out: a value
     made again needs its producer's inputs after k, alive at k or made again too. The bound
-    is the largest over the moments (on a language model, its loss's). Without `closure`, the
-    knapsacks' bound alone: weaker, and found in a fraction of the time."""
+    is the largest over the moments (on a language model, its loss's). Then one more MILP
+    (`_interval_remaking_time`) takes a chain of those moments together: a value dropped at
+    one and read after the next is made again once per interval, which single moments cannot
+    see (a convolutional network's backward reads its forward at several steps that each need
+    most of the budget). Without `closure`, the knapsacks' bound alone: weaker, and found in a
+    fraction of the time."""
     needed = needed_nodes(graph)
     base = sum(graph.node(name).time for name in needed)
     if solve_store_all(graph).predicted_peak <= budget:  # nothing need be made again: the knapsacks agree
@@ -228,6 +232,14 @@ def time_lower_bound(graph: RematGraph, budget: int, steps: int = 64, closure: b
             why = (f"at node {_named(graph, name)} only {format_bytes(max(0, room))} are left for the "
                    "values its descendants read and the inputs of those made again: the rest must be "
                    "recomputed")
+    moments = _moment_chain(graph, floors, ancestors, budget) if closure and best > 0 else []
+    if moments:
+        remade = _interval_remaking_time(graph, budget, moments, floors, ancestors, needed, INTERVAL_TIME)
+        if remade > best:
+            best = remade
+            why = (f"at the {len(moments)} nodes {_named(graph, moments[0])} to {_named(graph, moments[-1])}, "
+                   "run in turn, the values kept from one to the next must fit beside each: the rest must "
+                   "be recomputed")
     return base + best, why
 
 
@@ -305,6 +317,135 @@ def _remaking_time(graph: RematGraph, name: str, room: int, alive: set[str], anc
     bound = highs.getInfo().mip_dual_bound
     # Less HiGHS's feasibility tolerances (relative, about 1e-7), so that it stays a proof.
     return bound * (1 - 1e-6) if math.isfinite(bound) and bound > 0 else 0.0
+
+
+# The interval MILP (`_interval_remaking_time`): at most this many moments, in about this many
+# seconds beyond the closure MILPs' (its dual bound is sound when cut short, only weaker).
+INTERVAL_MOMENTS = 16
+INTERVAL_TIME = 1.0
+
+
+def _moment_chain(graph: RematGraph, floors: dict[str, tuple[int, str]], ancestors: list[int],
+                  budget: int) -> list[str]:
+    """Up to INTERVAL_MOMENTS needed nodes, highest floors first, each an ancestor or a
+    descendant of every other (so every schedule first runs them in one order, graph order),
+    in graph order."""
+    chosen: list[str] = []
+    for name in sorted(floors, key=lambda n: -floors[n][0]):
+        if len(chosen) >= INTERVAL_MOMENTS:
+            break
+        k = graph.index[name]
+        if floors[name][0] <= budget and all(
+                ancestors[k] >> graph.index[c] & 1 or ancestors[graph.index[c]] >> k & 1 for c in chosen):
+            chosen.append(name)
+    return sorted(chosen, key=lambda n: graph.index[n])
+
+
+def _interval_remaking_time(graph: RematGraph, budget: int, moments: list[str],
+                            floors: dict[str, tuple[int, str]], ancestors: list[int], needed: set[str],
+                            time_limit: float) -> float:
+    """A lower bound on the time spent beyond running each needed node once, from the first
+    runs of `moments` (a chain: each an ancestor of the next, so every schedule first runs them
+    in this order). They cut any schedule into intervals 0..J; one binary per (needed node,
+    interval), run[p, i]: p runs in interval i, and per (moment, value), alive[j, d]: d is
+    alive while moment j first runs (fixed to 1 for what its floor counts, `_alive_at`):
+
+      minimise  sum_{p, i} time(p) * run[p, i]
+      sum_i run[p, i] >= 1                     p needed, not a moment (<= 1 for random p)
+      run[p, i] <= run[q, i] + alive[i, x]     p reads x, made by q (alive[0, x] = 0)
+      alive[j, x] <= run[q, j-1] + alive[j-1, x]    x not made by moment j: made before it
+      alive[j, g] >= run[p, i], i < j          g a gradient p makes: never freed
+      sum_{d not counted} size(d) * alive[j, d] <= budget - floor(moment j)
+
+    The single-moment bounds (`_remaking_time`) see one moment; here what a moment drops and
+    a later one needs is paid once per interval it is remade in, as a network whose backward
+    reads the same forward values at several of its largest steps (convolutions' backward
+    with their workspaces) pays. Memory between moments is not constrained, so it stays a
+    relaxation. The answer is HiGHS's dual bound less one run of each needed node but the
+    moments, so a solve cut short is still sound."""
+    intervals = len(moments) + 1
+    scale = sum(node.time for node in graph.nodes) or 1.0  # times near 1: HiGHS's absolute gap stays negligible
+    builder = MilpBuilder()
+
+    def counted(d: str) -> bool:
+        return not graph.is_source(d) and graph.data[d].kind != "tangent" and graph.data[d].producer is not None
+
+    def producer(d: str) -> int:
+        return graph.index[graph.data[d].producer]
+
+    moment_set = set(moments)
+    nodes = [graph.index[name] for name in needed]
+    run: dict[tuple[int, int], int] = {}
+    for p in nodes:
+        node = graph.nodes[p]
+        still = node.random and node.name in moment_set  # a random node runs once: at its moment
+        for i in range(intervals):
+            run[p, i] = builder.var(0, 0 if still else 1, node.time / scale, integer=True)
+        if node.name not in moment_set:
+            builder.row([run[p, i] for i in range(intervals)], [1.0] * intervals, 1, 1 if node.random else math.inf)
+    held = [set(filter(counted, _alive_at(graph, graph.node(m), ancestors))) for m in moments]
+    always = builder.var(1, 1)
+    alive: dict[tuple[int, str], int] = {}
+
+    def alive_col(j: int, d: str) -> int | None:
+        """Column of d alive at moment j (1..J); None before the first."""
+        if j == 0:
+            return None
+        if d in held[j - 1]:
+            return always
+        if (j, d) not in alive:
+            alive[j, d] = builder.var(0, 1, integer=True)
+        return alive[j, d]
+
+    def made_before(j: int, d: str, column: int | None) -> None:
+        """d alive at moment j (column, or always if None) was made in interval j-1 or alive at moment j-1."""
+        cols, vals = [run[producer(d), j - 1]], [1.0]
+        if (before := alive_col(j - 1, d)) is not None:
+            cols.append(before)
+            vals.append(1.0)
+        if column is None:
+            builder.row(cols, vals, 1, math.inf)
+        else:
+            builder.row([*cols, column], [*vals, -1.0], 0, math.inf)
+
+    for p in nodes:
+        for x in dict.fromkeys(graph.nodes[p].inputs):
+            if counted(x):
+                for i in range(intervals):
+                    cols, vals = [run[p, i], run[producer(x), i]], [1.0, -1.0]
+                    if (column := alive_col(i, x)) is not None:
+                        cols.append(column)
+                        vals.append(-1.0)
+                    builder.row(cols, vals, -math.inf, 0)
+    for j, moment in enumerate(moments, start=1):
+        for x in held[j - 1] - set(graph.node(moment).outputs):
+            made_before(j, x, None)
+    for d in dict.fromkeys(graph.backward_outputs):
+        if counted(d) and graph.data[d].producer in needed:
+            for j in range(1, intervals):
+                if d not in held[j - 1]:
+                    for i in range(j):
+                        builder.row([alive_col(j, d), run[producer(d), i]], [1.0, -1.0], 0, math.inf)
+    done: set[tuple[int, str]] = set()
+    while len(done) < len(alive):  # each value alive at a moment was made before it
+        for j, d in [key for key in alive if key not in done]:
+            done.add((j, d))
+            made_before(j, d, alive[j, d])
+    for j, moment in enumerate(moments, start=1):
+        kept = [(column, graph.data[d].size) for (i, d), column in alive.items() if i == j]
+        builder.row([c for c, _ in kept], [float(size) for _, size in kept], -math.inf,
+                    float(budget - floors[moment][0]))
+    highs = builder.highs()
+    highs.setOptionValue("time_limit", max(0.01, time_limit))
+    highs.setOptionValue("mip_rel_gap", 1e-4)
+    highs.setOptionValue("mip_abs_gap", 0.0)
+    highs.run()
+    bound = highs.getInfo().mip_dual_bound
+    if not math.isfinite(bound) or bound <= 0:
+        return 0.0
+    once = sum(graph.nodes[p].time for p in nodes if graph.nodes[p].name not in moment_set)
+    # Less HiGHS's feasibility tolerances (relative, about 1e-7), so that it stays a proof.
+    return max(0.0, bound * scale * (1 - 1e-6) - once)
 
 
 def _most_value_kept(items: list[tuple[float, int]], capacity: int, slots: int = 2000) -> float:

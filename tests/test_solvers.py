@@ -10,7 +10,9 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+import rkgraph
 from rkgraph.graph import RematGraph
+from rockplan import zoo
 from solvers import (
     SOLVERS,
     InfeasibleBudget,
@@ -323,7 +325,25 @@ def test_the_time_floor_counts_the_inputs_of_what_is_made_again(monkeypatch: pyt
     monkeypatch.setattr(bounds, "CLOSURE_TIME", 60.0)
     assert time_lower_bound(graph, 245)[0] == pytest.approx(162, rel=1e-5)
     monkeypatch.setattr(bounds, "CLOSURE_STEPS", 0)
+    monkeypatch.setattr(bounds, "INTERVAL_MOMENTS", 0)  # the chain of moments meets it too
     assert time_lower_bound(graph, 245)[0] == 135
+
+
+def test_the_time_floor_takes_a_cnns_largest_backward_steps_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Near the smallest budget a ResNet's convolutions' backward each need most of the budget
+    and read the forward's values in turn: what one drops and a later one reads is remade once
+    per step between them. Single moments see one step each; the interval MILP sees the chain
+    of them, and its floor is far higher, still below the plan found."""
+    model, args, kwargs, _ = zoo.make("resnet", "tiny")
+    graph = rkgraph.capture(model, args, kwargs)  # estimated times: a function of the graph
+    budget = int(1.05 * min_feasible_budget(graph))
+    once = solve_store_all(graph).predicted_time
+    monkeypatch.setattr(bounds, "INTERVAL_TIME", 60.0)  # solved to the end even on a loaded machine
+    floor = time_lower_bound(graph, budget)[0]
+    plan = portfolio.solve_rockmate(graph, budget, time_limit=20)
+    monkeypatch.setattr(bounds, "INTERVAL_MOMENTS", 0)
+    single_moments = time_lower_bound(graph, budget)[0]
+    assert single_moments + 0.03 * once < floor <= plan.predicted_time
 
 
 @FAST
