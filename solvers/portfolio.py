@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 from rkgraph.graph import RematGraph
 from rkgraph.units import format_bytes
+from solvers.backward_order import delayed_branches
 from solvers.bounds import (
     MIN_MEMORY_MARGIN,
     check_budget,
@@ -43,7 +44,7 @@ from solvers.peak_shaving import solve_peak_shaving
 from solvers.rockmate import chain_schedules
 from solvers.saved_values import saved_values_attempts
 from solvers.schedule import Schedule
-from solvers.simulate import InfeasibleBudget
+from solvers.simulate import InfeasibleBudget, InvalidSchedule, schedule_from_computes
 
 DTR_HEURISTICS = ("dtr", "next_use", "size")
 SHAVING_SHARE = 0.85  # of the time left after DTR: peak shaving (six starts), then greedy checkpoints
@@ -116,6 +117,19 @@ def heuristic_candidates(graph: RematGraph, budget: int, time_limit: float,
     return found
 
 
+def in_graph_order(graph: RematGraph, schedules: Sequence[Schedule]) -> list[Schedule]:
+    """Schedules planned on `graph` with its nodes in another order (`solvers.backward_order`),
+    replayed on `graph` itself, each under its solver's name and budget."""
+    replayed = []
+    for schedule in schedules:
+        try:
+            replayed.append(schedule_from_computes(graph, schedule.computes(), schedule.forward_count,
+                                                   solver=schedule.solver, budget=schedule.budget))
+        except InvalidSchedule:  # an order only the other graph allows: never expected
+            continue
+    return replayed
+
+
 def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slots: int = 500,
                    block_time_limit: float = 1.0, gap: float = 0.01,
                    floor: tuple[float, str] | None = None) -> Schedule:
@@ -166,6 +180,11 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
             heuristics_time = max(HEURISTICS_TIME, len(graph.nodes) / HEURISTIC_NODES_PER_SECOND)
             candidates += heuristic_candidates(graph, budget, time_limit=min(heuristics_time, 0.8 * time_limit),
                                                good_enough=floor * (1 + gap), known=candidates)
+            # The same searches in other backward orders, where autograd's holds a branch's gradient long.
+            for after in (False, True):
+                if searching() and (other := delayed_branches(graph, after)) is not None:
+                    candidates += in_graph_order(graph, heuristic_candidates(
+                        other, budget, time_limit=min(3.0, 0.8 * time_limit), good_enough=floor * (1 + gap)))
         if candidates:
             min_memory_joins(unless_slower_than=min(s.predicted_time for s in candidates))
         else:

@@ -37,6 +37,7 @@ from solvers import (
     solve_store_all,
     solver_options,
 )
+from solvers.backward_order import delayed_branches
 from solvers.bounds import in_order_floor, min_memory_schedule, time_lower_bound
 from solvers.ilp_model import CheckmateMilp, memory_unit, stages_of
 from solvers.simulate import schedule_from_computes, to_recompute
@@ -344,6 +345,30 @@ def test_the_time_floor_takes_a_cnns_largest_backward_steps_together(monkeypatch
     monkeypatch.setattr(bounds, "INTERVAL_MOMENTS", 0)
     single_moments = time_lower_bound(graph, budget)[0]
     assert single_moments + 0.03 * once < floor <= plan.predicted_time
+
+
+def test_the_portfolio_runs_a_residual_blocks_shortcut_backward_beside_its_main_paths_end(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """In autograd's order a downsampling block's shortcut is differentiated first and its
+    gradient held through the main path's convolutions' backward; at the smallest budgets that
+    forces the forward to be made again. Planned in the order that runs the shortcut's last
+    node beside the main path's (`delayed_branches`), the plan meets the proven floor."""
+    model, args, kwargs, _ = zoo.make("resnet", "tiny")
+    graph = rkgraph.capture(model, args, kwargs)
+    budget = int(1.05 * min_feasible_budget(graph))
+    for after in (False, True):
+        other = delayed_branches(graph, after)
+        assert other is not None and [n.name for n in other.nodes] != [n.name for n in graph.nodes]
+        assert sorted(n.name for n in other.nodes) == sorted(n.name for n in graph.nodes)
+        made = {d for d, dn in other.data.items() if dn.producer is None}
+        for node in other.nodes:  # still a topological order
+            assert set(node.inputs) <= made, node.name
+            made.update(node.outputs)
+    monkeypatch.setattr(bounds, "INTERVAL_TIME", 60.0)
+    floor = time_lower_bound(graph, budget)[0]
+    plan = portfolio.solve_rockmate(graph, budget, time_limit=20, floor=(floor, ""))
+    assert simulate(graph, plan, budget).peak <= budget
+    assert plan.predicted_time <= floor * 1.01
 
 
 @FAST
