@@ -4,7 +4,9 @@ Every strategy wins somewhere and none everywhere, so the default runs them chea
 keeps the fastest schedule that fits:
 - the heuristics (`heuristic_candidates`), a fraction of a second to a few seconds each: DTR's
   variants (evicting the stalest, the next used, the largest; keeping what random ops drew),
-  the saved-values MILP, peak shaving, greedy checkpoints;
+  the saved-values MILP, peak shaving, greedy checkpoints; run again, while none meets the
+  floor, on the graph in backward orders that run a branch's last node beside the other
+  branch's (`solvers.backward_order`), their schedules replayed on the graph itself;
 - Rockmate's chain plan (`solvers.rockmate`): each distinct block solved by Checkmate's MILP
   for a grid of budgets, one option per block chosen by rotor's dynamic program; and rotor's
   own plan of whole blocks;
