@@ -189,7 +189,7 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
             for after in (False, True):
                 if searching() and (other := delayed_branches(graph, after)) is not None:
                     candidates += in_graph_order(graph, heuristic_candidates(
-                        other, budget, time_limit=REORDERED_SHARE * min(3.0, 0.8 * time_limit),
+                        other, budget, time_limit=REORDERED_SHARE * min(heuristics_time, 0.8 * time_limit),
                         good_enough=floor * (1 + gap)))
         if candidates:
             min_memory_joins(unless_slower_than=min(s.predicted_time for s in candidates))
