@@ -190,7 +190,7 @@ def _settled_by_lean_variant(graph: RematGraph, reference: Schedule, budget: int
             or "floor" not in solver_options(options.solver)):
         return None, None
     for closure in (False, True):
-        floor = time_lower_bound(graph, budget, closure=closure)
+        floor = time_lower_bound(graph, budget, closure=closure, intervals=False)
         if (floor[0] > reference.predicted_time and lean.solved(below=floor[0]) and lean.schedule is not None
                 and lean.schedule.predicted_time < floor[0] * (1 - SETTLING_MARGIN)):
             return floor, ("no plan within the budget" if math.isinf(floor[0]) else
@@ -230,7 +230,7 @@ class _LeanVariant:
                                           "estimate" if options.profile == "estimate" else "measure", options,
                                           shared=self._reference)
                 # Proven once: it says whether solving can pay, and the portfolio's search starts from it.
-                self.floor = time_lower_bound(self.graph, self._budget)
+                self.floor = time_lower_bound(self.graph, self._budget, intervals=False)
         return self.joint is not None
 
     def solved(self, below: float | None) -> bool:

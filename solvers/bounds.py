@@ -163,7 +163,8 @@ def in_order_floor(graph: RematGraph) -> tuple[int, str]:
     return best, why
 
 
-def time_lower_bound(graph: RematGraph, budget: int, steps: int = 64, closure: bool = True) -> tuple[float, str]:
+def time_lower_bound(graph: RematGraph, budget: int, steps: int = 64, closure: bool = True,
+                     intervals: bool = True) -> tuple[float, str]:
     """(seconds, reason): no schedule within `budget` bytes runs faster than this.
 
     Every needed node runs once. Beyond that, take a node k: a value its descendants read,
@@ -179,7 +180,9 @@ def time_lower_bound(graph: RematGraph, budget: int, steps: int = 64, closure: b
     one and read after the next is made again once per interval, which single moments cannot
     see (a convolutional network's backward reads its forward at several steps that each need
     most of the budget). Without `closure`, the knapsacks' bound alone: weaker, and found in a
-    fraction of the time."""
+    fraction of the time. Without `intervals`, no interval MILP: a planner asks for it only once
+    its search ends above the floor without it (`solvers.portfolio`), since it costs up to
+    INTERVAL_TIME and a plan that meets the cheaper floor needs no tighter one."""
     needed = needed_nodes(graph)
     base = sum(graph.node(name).time for name in needed)
     if solve_store_all(graph).predicted_peak <= budget:  # nothing need be made again: the knapsacks agree
@@ -232,7 +235,7 @@ def time_lower_bound(graph: RematGraph, budget: int, steps: int = 64, closure: b
             why = (f"at node {_named(graph, name)} only {format_bytes(max(0, room))} are left for the "
                    "values its descendants read and the inputs of those made again: the rest must be "
                    "recomputed")
-    moments = _moment_chain(graph, floors, ancestors, budget) if closure and best > 0 else []
+    moments = _moment_chain(graph, floors, ancestors, budget) if closure and intervals and best > 0 else []
     if moments:
         remade = _interval_remaking_time(graph, budget, moments, floors, ancestors, needed, INTERVAL_TIME)
         if remade > best:

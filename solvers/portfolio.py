@@ -142,10 +142,13 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
     when nothing fits yet); `block_time_limit` bounds the MILP solves of one distinct block.
     The search stops as soon as a schedule is within `gap` (relative) of the proven floor on
     time; `floor` is that floor and the step that sets it, `time_lower_bound`'s answer, when the
-    caller has it (computed here otherwise, once).
+    caller has it (computed here otherwise). A search that ends above `floor` by more than the
+    gap proves the floor again with `time_lower_bound`'s interval MILP, which a caller's floor
+    may lack (it costs up to a second, paid only where the plan leaves a gap to explain).
     Raises InfeasibleBudget, with the smallest feasible budget in the message, when nothing fits."""
     start = time.perf_counter()
     bounds = check_budget(graph, budget)
+    given_floor = floor is not None
     floor, floor_reason = time_lower_bound(graph, budget) if floor is None else floor
     store_all = bounds.baselines[0]
     candidates = [s for s in bounds.baselines if s.predicted_peak <= budget]
@@ -218,6 +221,10 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
         raise InfeasibleBudget(f"no schedule found within {budget} bytes ({format_bytes(budget)}); "
                                f"{bounds.describe()}")
     best = min(candidates, key=lambda s: (s.predicted_time, s.predicted_peak))
+    if given_floor and best.predicted_time > floor * (1 + gap):
+        tighter, tighter_reason = time_lower_bound(graph, budget)
+        if tighter > floor:
+            floor, floor_reason = tighter, tighter_reason
     extra["schedule_from"] = best.solver
     extra["floor_reason"] = floor_reason
     for key in ("status", "binaries"):

@@ -682,3 +682,26 @@ def test_every_registered_solver_runs_from_the_registry_and_refuses_what_it_does
         assert simulate(graph, s, budget).peak <= budget, name
         with pytest.raises(TypeError, match="no_such_option"):
             solve(graph, budget, no_such_option=1)
+
+
+def test_a_plan_above_the_callers_floor_has_it_proven_again_with_intervals(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner hands the portfolio a floor without the interval MILP (it costs up to a
+    second on every plan); a search that ends above that floor by more than the gap proves it
+    again in full, and a search that meets it does not."""
+    model, args, kwargs, _ = zoo.make("resnet", "tiny")
+    graph = rkgraph.capture(model, args, kwargs)
+    budget = int(0.9 * solve_store_all(graph).predicted_peak)
+    proven: list[dict] = []
+
+    def spied(*args: object, **kwargs: object) -> tuple[float, str]:
+        proven.append(kwargs)
+        return time_lower_bound(*args, **kwargs)
+
+    monkeypatch.setattr(portfolio, "time_lower_bound", spied)
+    cheap = time_lower_bound(graph, budget, intervals=False)
+    met = portfolio.solve_rockmate(graph, budget, time_limit=10, floor=cheap)
+    assert met.predicted_time <= cheap[0] * 1.01 and proven == []
+    low = (0.5 * cheap[0], "a floor far below any plan")
+    above = portfolio.solve_rockmate(graph, budget, time_limit=10, floor=low)
+    assert len(proven) == 1 and proven[0].get("intervals", True)
+    assert above.lower_bound == pytest.approx(min(time_lower_bound(graph, budget)[0], above.predicted_time))
