@@ -313,12 +313,20 @@ def _remaking_time(graph: RematGraph, name: str, room: int, alive: set[str], anc
     if not again:
         return 0.0
     builder.row([kept[d] for d in kept], [float(graph.data[d].size) for d in kept], -math.inf, float(room))
+    return _proven_bound(builder, time_limit)
+
+
+def _proven_bound(builder: MilpBuilder, time_limit: float, **options: float) -> float:
+    """HiGHS's dual bound on the minimum of `builder`'s MILP after at most `time_limit` seconds
+    (sound when cut short, only weaker), less its feasibility tolerances (relative, about
+    1e-7) so that it stays a proof; 0 where it has none above 0. `options`: more of HiGHS's."""
     highs = builder.highs()
     highs.setOptionValue("time_limit", max(0.01, time_limit))
     highs.setOptionValue("mip_rel_gap", 1e-4)
+    for name, value in options.items():
+        highs.setOptionValue(name, value)
     highs.run()
     bound = highs.getInfo().mip_dual_bound
-    # Less HiGHS's feasibility tolerances (relative, about 1e-7), so that it stays a proof.
     return bound * (1 - 1e-6) if math.isfinite(bound) and bound > 0 else 0.0
 
 
@@ -438,17 +446,11 @@ def _interval_remaking_time(graph: RematGraph, budget: int, moments: list[str],
         kept = [(column, graph.data[d].size) for (i, d), column in alive.items() if i == j]
         builder.row([c for c, _ in kept], [float(size) for _, size in kept], -math.inf,
                     float(budget - floors[moment][0]))
-    highs = builder.highs()
-    highs.setOptionValue("time_limit", max(0.01, time_limit))
-    highs.setOptionValue("mip_rel_gap", 1e-4)
-    highs.setOptionValue("mip_abs_gap", 0.0)
-    highs.run()
-    bound = highs.getInfo().mip_dual_bound
-    if not math.isfinite(bound) or bound <= 0:
+    bound = _proven_bound(builder, time_limit, mip_abs_gap=0.0)
+    if bound == 0.0:
         return 0.0
     once = sum(graph.nodes[p].time for p in nodes if graph.nodes[p].name not in moment_set)
-    # Less HiGHS's feasibility tolerances (relative, about 1e-7), so that it stays a proof.
-    return max(0.0, bound * scale * (1 - 1e-6) - once)
+    return max(0.0, bound * scale - once)
 
 
 def _most_value_kept(items: list[tuple[float, int]], capacity: int, slots: int = 2000) -> float:
