@@ -223,13 +223,47 @@ def plan_one(name: str, budget: float | int, profile: str) -> dict[str, object]:
             outcome = "infeasible"
     total = time.perf_counter() - start
     peak = _peak_rss()
+    replan = None
     if outcome == "infeasible":  # after the figures: this plan is not the one timed
         plan = Rockmate(model, sample, 1.0, solver="store_all", profile=profile).plan
         min_feasible = min_feasible_budget(plan.graph)
+    elif name not in DEPTH_SERIES:  # (those plan on fake tensors: they run no step)
+        replan = _replan_seconds(rk, _other_batch(sample))
     return {"model": name, "profile": profile, "nodes": len(plan.times),  # autograd's graph, after the rewrites
             "total": total, "outcome": outcome, "seconds": dict(seconds), "peak_rss": peak,
             "planning_rss": max(0, peak - peak_before), "min_feasible": min_feasible,
-            "store_all_peak": plan.reference.predicted_peak}
+            "store_all_peak": plan.reference.predicted_peak, "replan": replan}
+
+
+def _other_batch(sample: tuple) -> tuple:
+    """`sample` with one example fewer (one more where it has one): a new input signature of the
+    same step, every tensor whose first dimension is the batch cut or repeated along it."""
+    import torch
+    from torch.utils._pytree import tree_leaves, tree_map
+
+    batch = next(t.shape[0] for t in tree_leaves(sample) if isinstance(t, torch.Tensor) and t.dim())
+
+    def resized(t: object) -> object:
+        if not isinstance(t, torch.Tensor) or not t.dim() or t.shape[0] != batch:
+            return t
+        return t[:batch - 1] if batch > 1 else torch.cat([t, t])
+
+    return tree_map(resized, sample)
+
+
+def _replan_seconds(rk: object, sample: tuple) -> float:
+    """Seconds a training step at `sample`, a new input signature, spends planning again for it
+    (on_new_input="replan", the default): the time inside the module's planning call."""
+    import warnings
+
+    from rockplan.module import Rockmate, _split_sample
+
+    args, kwargs = _split_sample(sample)
+    seconds: dict[str, float] = defaultdict(float)
+    with warnings.catch_warnings(), timed(Rockmate, "_plan", seconds, "replan"):
+        warnings.simplefilter("ignore")  # the warning that a new input is planned: this is that plan
+        rk(*args, **kwargs).backward()
+    return seconds["replan"]
 
 
 # --- the page (the parent process) -----------------------------------------------------------
@@ -246,12 +280,15 @@ def markdown(rows: list[dict[str, object]], ratio: float) -> str:
         "the planning process's, and how much planning raised it above the peak reached building the "
         "model and its inputs. "
         "Plan from: the portfolio's member whose schedule was kept; where the budget is infeasible, how "
-        "long the refusal took, and the row's figures are those of a plan at the smallest feasible budget.",
+        "long the refusal took, and the row's figures are those of a plan at the smallest feasible budget. "
+        "Replan s: planning again for a new input signature (one example fewer in the batch, one more "
+        "where it has one), inside the first training step at it; not for the depth series (planned on "
+        "fake tensors) nor the refusals.",
         "",
         "| model | profile | nodes | total s | capture s | of which trace s | profile s | solve s | "
         f"{' | '.join(stages)} | "
-        "peak RSS | planning added | plan from |",
-        f"|---|---|---|---|---|---|---|---|{'---|' * len(stages)}---|---|---|",
+        "peak RSS | planning added | replan s | plan from |",
+        f"|---|---|---|---|---|---|---|---|{'---|' * len(stages)}---|---|---|---|",
     ]
     for r in rows:
         s = r["seconds"]
@@ -261,7 +298,8 @@ def markdown(rows: list[dict[str, object]], ratio: float) -> str:
         lines.append(f"| {r['model']} | {r['profile']} | {r['nodes']} | {r['total']:.1f} | {capture:.1f} | "
                      f"{s.get('trace', 0.0):.1f} | "
                      f"{s.get('profile', 0.0):.1f} | {solve:.1f} | {' | '.join(cells)} | "
-                     f"{r['peak_rss'] / 2**20:.0f} MiB | {r['planning_rss'] / 2**20:.0f} MiB | {r['outcome']} |")
+                     f"{r['peak_rss'] / 2**20:.0f} MiB | {r['planning_rss'] / 2**20:.0f} MiB | "
+                     f"{'' if r.get('replan') is None else format(r['replan'], '.1f')} | {r['outcome']} |")
     return "\n".join(lines)
 
 

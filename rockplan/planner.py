@@ -185,9 +185,12 @@ def _settled_by_lean_variant(graph: RematGraph, reference: Schedule, budget: int
     faster than the floor wins, and autograd's graph is not solved. The knapsacks' floor is
     tried first (`time_lower_bound` without `closure`: it often settles it, sooner), then the
     full one. (None, None) where this cannot happen: a plan file, no lean variant asked for,
-    store-all fits, a solver that takes no floor."""
+    store-all fits, a solver that takes no floor, a budget below what the portfolio's solvers
+    reach (`BudgetBounds.reachable`: the solver refuses it at once)."""
     if (options.plan_file is not None or not options.lean_variant or reference.predicted_peak <= budget
             or "floor" not in solver_options(options.solver)):
+        return None, None
+    if budget < budget_bounds(graph).reachable[0]:  # the solver refuses at once: no floor to prove for it
         return None, None
     for closure in (False, True):
         floor = time_lower_bound(graph, budget, closure=closure, intervals=False)
@@ -210,7 +213,7 @@ class _LeanVariant:
         self._made = False
         self.joint: JointGraph | None = None
         self.graph: RematGraph | None = None
-        self.floor: tuple[float, str] | None = None
+        self.floor: tuple[float, str] | None = None  # None: not proven (a budget below what it can reach)
         self.schedule: Schedule | None = None
         self.failure: Exception | None = None  # InfeasibleBudget from its solve
         self._solve_done = False
@@ -229,15 +232,17 @@ class _LeanVariant:
                 self.graph = costed_graph(self.joint, self._inputs,
                                           "estimate" if options.profile == "estimate" else "measure", options,
                                           shared=self._reference)
-                # Proven once: it says whether solving can pay, and the portfolio's search starts from it.
-                self.floor = time_lower_bound(self.graph, self._budget, intervals=False)
+                # Proven once: it says whether solving can pay, and the portfolio's search starts from
+                # it; not where the portfolio refuses the budget at once.
+                if self._budget >= budget_bounds(self.graph).reachable[0]:
+                    self.floor = time_lower_bound(self.graph, self._budget, intervals=False)
         return self.joint is not None
 
     def solved(self, below: float | None) -> bool:
         """Whether it is solved (its `schedule`, or its `failure`), solving it now unless its
         proven floor is at or above `below` (seconds; None: no bound)."""
         if not self._solve_done and self.build():
-            if below is not None and self.floor[0] >= below:
+            if below is not None and self.floor is not None and self.floor[0] >= below:
                 return False
             self._solve_done = True
             progress.stage("solve the lean variant")
@@ -346,10 +351,10 @@ def _refusal(graph: RematGraph, budget: int, options: PlanOptions, seconds: floa
         return OutOfTime(f"solver {options.solver!r} found no schedule within {budget} bytes ({format_bytes(budget)}), "
                          f"but its search does not cover every schedule: {known}. Use the default solver "
                          f"{DEFAULT_SOLVER!r}, or a budget of at least {bounds.upper} bytes")
-    if budget < bounds.in_order[0]:  # more time cannot help: no search in that order can fit
+    if budget < bounds.reachable[0]:  # more time cannot help: no search in autograd's order or the chain's can fit
         return OutOfTime(f"solver {options.solver!r} found no schedule within {budget} bytes ({format_bytes(budget)}), "
-                         f"below what schedules in autograd's order can reach: {known}. Use a budget of at least "
-                         f"{bounds.upper} bytes")
+                         f"below what schedules in autograd's order and plans of the chain of blocks can reach: "
+                         f"{known}. Use a budget of at least {bounds.upper} bytes")
     limit = options.solver_options.get("time_limit", parameter.default)
     stopped = "ran out of its time limit" if seconds >= limit else "stopped"
     return OutOfTime(f"solver {options.solver!r} {stopped} ({seconds:.1f} s, time_limit={limit:g} s) without a "

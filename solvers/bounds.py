@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from rkgraph.graph import ComputeNode, RematGraph
 from rkgraph.units import format_bytes
+from solvers.chain import chain_blocks
 from solvers.checkpoint_blocks import solve_checkpoint_blocks
 from solvers.ilp_model import MilpBuilder
 from solvers.schedule import Schedule
@@ -131,15 +132,16 @@ def _phase_floors(graph: RematGraph) -> list[tuple[int, str]]:
              "backward outputs and the user's forward outputs alive at the end")]
 
 
-def in_order_floor(graph: RematGraph) -> tuple[int, str]:
-    """(bytes, reason): no schedule that first computes each node in graph order (autograd's)
-    peaks below this. That is the family of every heuristic in the portfolio (DTR's program,
-    saved values, peak shaving, the minimum-memory family) and of Checkmate's MILP (stage t
-    first computes node t); only Rockmate's and rotor's chain plans (`solvers.chain`) may run
-    a few nodes out of that order.
+def in_order_floor(graph: RematGraph, order: Sequence[str] | None = None,
+                   order_name: str = "autograd's order") -> tuple[int, str]:
+    """(bytes, reason): no schedule that first computes each node in `order` (by default graph
+    order, autograd's) peaks below this. Graph order is the family of every heuristic in the
+    portfolio (DTR's program, saved values, peak shaving, the minimum-memory family) and of
+    Checkmate's MILP (stage t first computes node t); only Rockmate's and rotor's chain plans
+    (`solvers.chain`) run in another, `solvers.chain.chain_order` (`chain_order_floor`).
 
     `memory_lower_bound` holds, at each node, only the gradients its ancestors made: a
-    gradient of another branch could be made later, from its inputs remade then. In graph
+    gradient of another branch could be made later, from its inputs remade then. In a fixed
     order every gradient made by an earlier node is already made, and gradients are never
     freed: at each needed node, its own floor (`_step_floors` without the ancestors) plus
     every gradient made before it. On a language model whose weight gradients autograd makes
@@ -147,19 +149,53 @@ def in_order_floor(graph: RematGraph) -> tuple[int, str]:
     stop at the same budget."""
     floors = _step_floors(graph, [0] * len(graph.nodes))
     backward_outputs = set(graph.backward_outputs)
-    made_before = 0  # bytes of the gradients made by the nodes before, in graph order
+    made_before = 0  # bytes of the gradients made by the nodes before, in `order`
     gradients: set[str] = set()
     best, why = max(_phase_floors(graph))
-    for node in graph.nodes:
+    for node in graph.nodes if order is None else map(graph.node, order):
         if node.name in floors:
             own = {*node.inputs, *node.outputs, *_held_at(graph, node)}
             alive = floors[node.name][0] + made_before - _size(graph, own & gradients)
             if alive > best:
                 best, why = alive, (f"node {_named(graph, node.name)} needs its inputs, outputs and workspace "
-                                    "while every gradient made before it in autograd's order is held")
+                                    f"while every gradient made before it in {order_name} is held")
         made = [d for d in node.outputs if d in backward_outputs and d not in gradients]
         gradients.update(made)
         made_before += _size(graph, made)
+    return best, why
+
+
+def chain_order_floor(graph: RematGraph) -> tuple[float, str]:
+    """(bytes, reason): no plan of the chain of blocks (Rockmate's, rotor's: `solvers.chain`)
+    peaks below this.
+
+    A chain plan runs each block's backward whole, from the last block to the first, and a
+    block's backward nodes run only there (its options hold its own nodes alone). So while a
+    node of block j's backward runs, every gradient the later blocks' backward made is held
+    (gradients are never freed), beside its own floor and the gradients its ancestors made
+    (`_step_floors`). Not the order within a block: a block's option may run a node later than
+    graph order, where the step that made it first is dropped as unused (`free_at_last_use`)."""
+    _, backward = chain_blocks(graph)
+    ancestors = _ancestors(graph)
+    floors = _step_floors(graph, ancestors)
+    gradients = _gradients(graph)
+    best, why = max(_phase_floors(graph))
+    backward_outputs = set(graph.backward_outputs)
+    later: set[str] = set()  # gradients made by the blocks whose backward ran before
+    for block in reversed(backward):
+        for name in block:
+            if name not in floors:
+                continue
+            node = graph.node(name)
+            k = graph.index[name]
+            counted = {*node.inputs, *node.outputs, *_held_at(graph, node),
+                       *(d for i, d in gradients if ancestors[k] >> i & 1)}
+            alive = floors[name][0] + _size(graph, later - counted)
+            if alive > best:
+                best, why = alive, (f"node {_named(graph, name)} needs its inputs, outputs and workspace while "
+                                    "every gradient made by the blocks whose backward runs before its block's "
+                                    "in a chain plan is held")
+        later.update(d for name in block for d in graph.node(name).outputs if d in backward_outputs)
     return best, why
 
 
@@ -620,6 +656,7 @@ class BudgetBounds:
     graph: RematGraph = field(repr=False)
     _min_memory: Schedule | None = field(default=None, repr=False)
     _in_order: tuple[int, str] | None = field(default=None, repr=False)
+    _reachable: tuple[int, str] | None = field(default=None, repr=False)
 
     @property
     def min_memory(self) -> Schedule:
@@ -633,6 +670,15 @@ class BudgetBounds:
         if self._in_order is None:
             self._in_order = in_order_floor(self.graph)
         return self._in_order
+
+    @property
+    def reachable(self) -> tuple[int, str]:
+        """The least peak any solver of the portfolio can reach: the lower of the in-order floor
+        and the chain's (`chain_order_floor`). Below it the portfolio refuses without searching;
+        it is not proven for every schedule (`lower` is)."""
+        if self._reachable is None:
+            self._reachable = min(self.in_order, chain_order_floor(self.graph))
+        return self._reachable
 
     @property
     def candidates(self) -> list[Schedule]:
@@ -673,12 +719,16 @@ class BudgetBounds:
                 f"is known){self.describe_in_order()}")
 
     def describe_in_order(self) -> str:
-        """The in-order floor in words, for messages, where it says more than the proven floor."""
+        """The in-order and chain floors in words, for messages, where they say more than the proven floor."""
         floor, reason = self.in_order
         if floor <= self.lower:
             return ""
-        return (f"; no schedule that runs the nodes in autograd's order (every solver's but the chain's) peaks "
+        said = (f"; no schedule that runs the nodes in autograd's order (every solver's but the chain's) peaks "
                 f"below {floor} bytes ({format_bytes(floor)}; {reason})")
+        chain, why = chain_order_floor(self.graph)
+        if chain > self.lower:
+            said += (f", and no plan of the chain of blocks below {chain} bytes ({format_bytes(chain)}; {why})")
+        return said
 
 
 def budget_bounds(graph: RematGraph) -> BudgetBounds:

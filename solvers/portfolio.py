@@ -17,9 +17,10 @@ The proven floor on time (`solvers.bounds.time_lower_bound`) is computed once pe
 the search stops as soon as a schedule is within `gap` of it, and the schedule returned
 carries it as `lower_bound` (with the step that sets it in `extra["floor_reason"]`), so that
 callers never compute it again. The budget is refused at once, with the smallest feasible
-budget, when it is below the proven memory floor (`solvers.bounds.check_budget`). Below the
-in-order floor (`solvers.bounds.in_order_floor`), which every member but the chain's cannot go
-under, only the chain stage runs.
+budget, when it is below the proven memory floor (`solvers.bounds.check_budget`), or below
+what every member can reach (`BudgetBounds.reachable`: the in-order floor,
+`solvers.bounds.in_order_floor`, which every member but the chain's cannot go under, and the
+chain's own, `solvers.bounds.chain_order_floor`). Between them only the chain stage runs.
 """
 
 from __future__ import annotations
@@ -148,6 +149,9 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
     Raises InfeasibleBudget, with the smallest feasible budget in the message, when nothing fits."""
     start = time.perf_counter()
     bounds = check_budget(graph, budget)
+    if budget < bounds.reachable[0]:  # every member's search would end without a schedule
+        raise InfeasibleBudget(f"no schedule of the portfolio's solvers fits within {budget} bytes "
+                               f"({format_bytes(budget)}); {bounds.describe()}")
     given_floor = floor is not None
     floor, floor_reason = time_lower_bound(graph, budget) if floor is None else floor
     store_all = bounds.baselines[0]

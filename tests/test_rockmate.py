@@ -4,6 +4,7 @@ the promises of the default solver (never slower than a baseline, identical bloc
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -21,9 +22,9 @@ from solvers import (
     solve_rotor,
     solve_store_all,
 )
-from solvers.bounds import time_lower_bound
+from solvers.bounds import chain_order_floor, time_lower_bound
 from solvers.chain import build_chain, schedule_chain, store_all_option
-from solvers.rockmate import block_options
+from solvers.rockmate import block_options, chain_schedules
 from solvers.simulate import schedule_from_computes
 from tests.graph_factories import random_training_graph, training_graph
 
@@ -216,3 +217,32 @@ def test_rotor_is_valid_or_says_infeasible(seed: int, fraction: float) -> None:
         assert budget < store_all.predicted_peak
         return
     assert simulate(graph, s, budget).peak == s.predicted_peak <= budget
+
+
+def _weight_gradients_delayed(graph: RematGraph) -> RematGraph:
+    """`graph` with each weight-gradient node (bw{i}) run after the next backward node where
+    that node does not read it: autograd's order interleaving blocks, which the chain's does not."""
+    order = [n.name for n in graph.nodes]
+    for name in [n.name for n in graph.nodes if n.name.startswith("bw")]:
+        i = order.index(name)
+        if i + 1 < len(order) and not set(graph.node(name).outputs) & set(graph.node(order[i + 1]).inputs):
+            order[i], order[i + 1] = order[i + 1], order[i]
+    return replace(graph, nodes=[graph.node(name) for name in order])
+
+
+@FAST
+@given(seed=st.integers(0, 10_000), fraction=st.floats(0.3, 1.0), delayed=st.booleans())
+def test_no_chain_plan_peaks_below_the_chain_floor(seed: int, fraction: float, delayed: bool) -> None:
+    """What the portfolio's refusal below `chain_order_floor` rests on: no plan of the chain,
+    Rockmate's (MILP options and schedules cut per block) or rotor's, peaks below it; also
+    where autograd's order interleaves the blocks' backward (`delayed`)."""
+    graph = random_training_graph(seed, max_forward=7, weight_nodes=True)
+    if delayed:
+        graph = _weight_gradients_delayed(graph)
+    floor = chain_order_floor(graph)[0]
+    budget = int(fraction * solve_store_all(graph).predicted_peak)
+    known = [s for s in (solve_store_all(graph), solve_checkpoint_blocks(graph)) if s.predicted_peak <= budget]
+    for block_time in (0.0, 0.05, 0.5):  # how long each block's MILPs get changes the options
+        plans, _ = chain_schedules(graph, budget, known, time_limit=2.0, block_time_limit=block_time)
+        for plan in plans:
+            assert plan.predicted_peak >= floor, plan.solver

@@ -38,7 +38,7 @@ from solvers import (
     solver_options,
 )
 from solvers.backward_order import delayed_branches
-from solvers.bounds import in_order_floor, min_memory_schedule, time_lower_bound
+from solvers.bounds import chain_order_floor, in_order_floor, min_memory_schedule, time_lower_bound
 from solvers.ilp_model import CheckmateMilp, memory_unit, stages_of
 from solvers.simulate import schedule_from_computes, to_recompute
 from tests.graph_factories import chain_graph, random_training_graph, training_graph
@@ -386,24 +386,26 @@ def test_the_in_order_floor_never_exceeds_the_least_peak_in_that_order(seed: int
     assert floor <= result.objective + 1e-6
 
 
-def test_below_the_in_order_floor_the_portfolio_runs_only_the_chain(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_below_what_every_member_reaches_the_portfolio_refuses_without_searching(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     # Each weight's gradient is made by its own node, so at the first backward node autograd's
-    # order holds the last weight's gradient, which no schedule must hold there.
-    graph = training_graph([10] * 4, weight_nodes=True, param_grad_size=30, block_size=1)
-    lower, floor = budget_bounds(graph).lower, in_order_floor(graph)[0]
-    assert (lower, floor) == (120, 140)
+    # order holds the last weight's gradient, which no schedule must hold there; the chain's
+    # order (block after block) holds it too.
+    graph = training_graph([10] * 4, weight_nodes=True, param_grad_size=10, block_size=1)
+    bounds = budget_bounds(graph)
+    assert (bounds.lower, in_order_floor(graph)[0], chain_order_floor(graph)[0]) == (40, 60, 60)
 
     def never(*args: object, **kwargs: object) -> None:
-        raise AssertionError("a search in autograd's order ran below its floor")
+        raise AssertionError("a search ran below what it can reach")
 
-    monkeypatch.setattr(portfolio, "heuristic_candidates", never)
-    monkeypatch.setattr(portfolio, "solve_milp", never)
-    try:
-        schedule = portfolio.solve_rockmate(graph, 130, time_limit=5)
-    except InfeasibleBudget as e:
-        assert "autograd's order" in str(e) and "140 bytes" in str(e)
-    else:  # the chain may leave autograd's order
-        assert schedule.extra["schedule_from"] in ("rockmate", "rotor") and schedule.predicted_peak <= 130
+    for member in ("heuristic_candidates", "solve_milp", "chain_schedules", "time_lower_bound"):
+        monkeypatch.setattr(portfolio, member, never)
+    with pytest.raises(InfeasibleBudget, match="autograd's order") as refusal:
+        portfolio.solve_rockmate(graph, 50, time_limit=5)
+    assert "no plan of the chain of blocks below 60 bytes" in str(refusal.value)
+    monkeypatch.undo()
+    assert portfolio.solve_rockmate(graph, bounds.upper, time_limit=5).predicted_peak <= bounds.upper
+
 
 def test_the_portfolio_gives_the_heuristics_more_time_on_larger_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
     """A build of peak shaving is linear in the graph and a tight budget needs more drops on a
