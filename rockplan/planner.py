@@ -61,7 +61,8 @@ SETTLING_MARGIN = 1e-3
 
 class OutOfTime(InfeasibleBudget):
     """The solver stopped without a schedule at a budget above the proven floor: one may exist,
-    and more time (or a larger budget) may find it."""
+    and more time (or a larger budget) may find it; or, where the message says the budget is
+    below what its searches can reach (`BudgetBounds.reachable`), only a larger budget will."""
 
 
 @dataclass(frozen=True)
