@@ -234,9 +234,11 @@ class _LeanVariant:
                                           "estimate" if options.profile == "estimate" else "measure", options,
                                           shared=self._reference)
                 # Proven once: it says whether solving can pay, and the portfolio's search starts from
-                # it; not where the portfolio refuses the budget at once.
+                # it; not where the portfolio refuses the budget at once. The knapsacks' floor only:
+                # the portfolio proves the full one (its MILPs, a second or more) only when its search
+                # ends above this one, and a lean plan often meets it.
                 if self._budget >= budget_bounds(self.graph).reachable[0]:
-                    self.floor = time_lower_bound(self.graph, self._budget, intervals=False)
+                    self.floor = time_lower_bound(self.graph, self._budget, closure=False, intervals=False)
         return self.joint is not None
 
     def solved(self, below: float | None) -> bool:

@@ -144,8 +144,8 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
     The search stops as soon as a schedule is within `gap` (relative) of the proven floor on
     time; `floor` is that floor and the step that sets it, `time_lower_bound`'s answer, when the
     caller has it (computed here otherwise). A search that ends above `floor` by more than the
-    gap proves the floor again with `time_lower_bound`'s interval MILP, which a caller's floor
-    may lack (it costs up to a second, paid only where the plan leaves a gap to explain).
+    gap proves the floor again in full, with `time_lower_bound`'s MILPs, which a caller's floor
+    may lack (they cost a second or more, paid only where the plan leaves a gap to explain).
     Raises InfeasibleBudget, with the smallest feasible budget in the message, when nothing fits."""
     start = time.perf_counter()
     bounds = check_budget(graph, budget)
