@@ -10,16 +10,22 @@ and reused while that same base is alive; once the base is freed or recomputed, 
 derives it again. A view kept longer would hold its base's storage past the schedule's free,
 and one derived at every use costs an op call each time (on a GPU, whose step waits on the
 host's op calls, that was a tenth of the ops of an HF Llama step).
+
+The eager backend runs the modules as fx wrote them, with one change (`compile_generated`):
+each ATen op is called through its C++ entry point, bound once, instead of through
+`OpOverload.__call__`, a Python frame per op call.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
 from torch import fx
+from torch._dynamo.backends.debugging import boxed_nop
 
 from rkgraph.build import first_value, is_random, is_view
 from rkgraph.capture import JointGraph, is_tangent
@@ -94,7 +100,7 @@ class _Emitter:
             self.rng_states[original.name] = state
             return self.graph.node_copy(original, self.value)
         args, kwargs = fx.node.map_arg((original.args, original.kwargs), self.value)
-        node = self.graph.call_function(replay, (state, device, str(original.target), *args), kwargs)
+        node = self.graph.call_function(replay, (state, device, original.target, *args), kwargs)
         node.meta = dict(original.meta)
         return node
 
@@ -191,3 +197,25 @@ def generate(joint: JointGraph, graph: RematGraph, schedule: Any) -> tuple[fx.Gr
     bw.run(backward_ops)
     bw_module = bw.module(gm, outputs[joint.num_fwd_outputs:])
     return fw_module, bw_module
+
+
+@functools.cache
+def bound_op(op: torch._ops.OpOverload) -> Callable[..., Any]:
+    """`op`'s C++ entry point, what `OpOverload.__call__` calls (so the same op, dispatched the
+    same way, without a Python frame), named as `op` (`aten.add.Tensor`): fx's generated code
+    calls it as the global `aten_add_Tensor`, where it wrote `torch.ops.aten.add.Tensor` (an
+    attribute lookup per namespace level and a Python call per op call)."""
+    call = functools.partial(op._op)
+    call.__module__, call.__name__ = op.namespace, f"{op._opname}.{op._overloadname}"
+    return call
+
+
+def compile_generated(module: fx.GraphModule, inputs: list[Any]) -> Callable[..., Any]:
+    """The eager backend's compiler: a generated module as the boxed callable AOTAutograd runs
+    in each step, its ATen ops called through `bound_op`. On a GPU a small model's step waits
+    on the host's op calls, and the Python frame per op was a visible share of them.
+    Subclasses of `OpOverload` (TorchBind ops) call through their own `__call__`, and are left."""
+    for node in module.graph.nodes:
+        if node.op == "call_function" and type(node.target) is torch._ops.OpOverload:
+            node.target = bound_op(node.target)
+    return boxed_nop(module, inputs)
