@@ -201,13 +201,40 @@ def generate(joint: JointGraph, graph: RematGraph, schedule: Any) -> tuple[fx.Gr
 
 @functools.cache
 def bound_op(op: torch._ops.OpOverload) -> Callable[..., Any]:
-    """`op`'s C++ entry point, what `OpOverload.__call__` calls (so the same op, dispatched the
-    same way, without a Python frame), named as `op` (`aten.add.Tensor`): fx's generated code
-    calls it as the global `aten_add_Tensor`, where it wrote `torch.ops.aten.add.Tensor` (an
-    attribute lookup per namespace level and a Python call per op call)."""
-    call = functools.partial(op._op)
+    """`op` as the step calls it: its C++ entry point, what `OpOverload.__call__` calls (the
+    same op, dispatched the same way, without a Python frame), or for a custom op defined in
+    Python with nothing but its definition (our rewrites' ops), that definition. Named as `op`
+    (`aten.add.Tensor`): fx's generated code calls it as the global `aten_add_Tensor`, where it
+    wrote `torch.ops.aten.add.Tensor` (an attribute lookup per namespace level and a Python
+    call per op call)."""
+    call = functools.partial(_python_definition(op) or op._op)
     call.__module__, call.__name__ = op.namespace, f"{op._opname}.{op._overloadname}"
     return call
+
+
+def _python_definition(op: torch._ops.OpOverload) -> Callable[..., Any] | None:
+    """The Python function that defines custom op `op` (`torch.library.custom_op`) where
+    calling it is all the dispatcher would do in a generated step, else None.
+
+    Through the dispatcher, a Python custom op's call runs its autograd layer, a check that the
+    output aliases no input and a Dynamo guard before reaching the function: several Python
+    frames per call, dearer than the small kernels it wraps. A step's modules run without grad
+    (AOTAutograd calls them inside one autograd.Function), so the autograd layer only passes
+    the call on. An op with more than its definition (a kernel per device, an autograd
+    formula, a rule for a dispatch mode or vmap or autocast, a disabled kernel) is called
+    through the dispatcher."""
+    from torch._library.custom_ops import OPDEFS
+
+    definition = OPDEFS.get(op._name)
+    if definition is None or op._overloadname != "default":
+        return None
+    only_defined = (set(getattr(definition, "_backend_fns", ())) == {None}
+                    and getattr(definition, "_backward_fn", True) is None
+                    and not getattr(definition, "_torch_dispatch_fns", True)
+                    and getattr(definition, "_vmap_fn", True) is None
+                    and not any(getattr(definition, "_autocast_dtype", {None: None}).values())
+                    and not getattr(definition, "_disabled_kernel", True))
+    return definition._init_fn if only_defined else None
 
 
 def compile_generated(module: fx.GraphModule, inputs: list[Any]) -> Callable[..., Any]:

@@ -599,10 +599,12 @@ def test_generated_code_derives_a_view_once_while_its_base_lives(budget: float, 
 @pytest.mark.parametrize("recompute", [False, True])
 def test_a_planned_step_calls_its_ops_without_the_python_op_wrapper(recompute: bool,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """The generated step calls each op through its C++ entry point (`codegen.bound_op`), not
-    `OpOverload.__call__`, a Python frame per op call that a small model's GPU step waits on;
-    a recomputed dropout's replay included. Gradients stay eager's. (Our custom ops' Python
-    kernels call ATen as they like: only calls from the step's own code count.)"""
+    """The generated step calls each ATen op through its C++ entry point (`codegen.bound_op`),
+    not `OpOverload.__call__`, a Python frame per op call that a small model's GPU step waits
+    on, a recomputed dropout's replay included; and our rewrites' custom ops (dropout's here)
+    as the Python functions they are, not through the dispatcher's Python autograd layer.
+    Gradients stay eager's. (Those functions call ATen as they like: only calls from the
+    step's own code count.)"""
     from rockplan import rng
 
     model, args, kwargs, _loss = zoo.make("gpt", "tiny")
@@ -623,7 +625,15 @@ def test_a_planned_step_calls_its_ops_without_the_python_op_wrapper(recompute: b
             calls.append(str(op))
         return wrapper(op, *a, **kw)
 
+    redispatch = torch._ops.OpOverload.redispatch
+
+    def counted_redispatch(op: torch._ops.OpOverload, *a: object, **kw: object) -> object:
+        if op.namespace == "rkgraph":
+            calls.append(f"{op} through the dispatcher")
+        return redispatch(op, *a, **kw)
+
     monkeypatch.setattr(torch._ops.OpOverload, "__call__", counted)
+    monkeypatch.setattr(torch._ops.OpOverload, "redispatch", counted_redispatch)
     _step(rk, args, kwargs)
     monkeypatch.undo()
     assert calls == []
