@@ -12,8 +12,9 @@ and one derived at every use costs an op call each time (on a GPU, whose step wa
 host's op calls, that was a tenth of the ops of an HF Llama step).
 
 The eager backend runs the modules as fx wrote them, with one change (`compile_generated`):
-each ATen op is called through its C++ entry point, bound once, instead of through
-`OpOverload.__call__`, a Python frame per op call.
+each op is called through a callable bound once (`bound_op`: an ATen op's C++ entry point, one
+of our custom ops' Python definition), not through `OpOverload.__call__` and the dispatcher's
+Python layers, frames per op call that a small model's GPU step waits on.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 from torch import fx
 from torch._dynamo.backends.debugging import boxed_nop
+from torch._library.custom_ops import OPDEFS
 
 from rkgraph.build import first_value, is_random, is_view
 from rkgraph.capture import JointGraph, is_tangent
@@ -217,30 +219,29 @@ def _python_definition(op: torch._ops.OpOverload) -> Callable[..., Any] | None:
     calling it is all the dispatcher would do in a generated step, else None.
 
     Through the dispatcher, a Python custom op's call runs its autograd layer, a check that the
-    output aliases no input and a Dynamo guard before reaching the function: several Python
-    frames per call, dearer than the small kernels it wraps. A step's modules run without grad
-    (AOTAutograd calls them inside one autograd.Function), so the autograd layer only passes
-    the call on. An op with more than its definition (a kernel per device, an autograd
-    formula, a rule for a dispatch mode or vmap or autocast, a disabled kernel) is called
-    through the dispatcher."""
-    from torch._library.custom_ops import OPDEFS
-
+    output aliases no input and a wrapper keeping Dynamo out before it reaches the function:
+    several Python frames per call, dearer than the small kernels it wraps. A step's modules run
+    without grad (the forward inside AOTAutograd's autograd.Function, the backward inside
+    autograd's engine), so the autograd layer only passes the call on. An op with more than its
+    definition (a kernel per device, an autograd formula, a rule for a dispatch mode, vmap or
+    autocast, a disabled kernel), or whose definition's fields this torch names otherwise, is
+    called through the dispatcher."""
     definition = OPDEFS.get(op._name)
     if definition is None or op._overloadname != "default":
         return None
     only_defined = (set(getattr(definition, "_backend_fns", ())) == {None}
                     and getattr(definition, "_backward_fn", True) is None
-                    and not getattr(definition, "_torch_dispatch_fns", True)
+                    and getattr(definition, "_torch_dispatch_fns", None) == {}
                     and getattr(definition, "_vmap_fn", True) is None
-                    and not any(getattr(definition, "_autocast_dtype", {None: None}).values())
-                    and not getattr(definition, "_disabled_kernel", True))
+                    and getattr(definition, "_autocast_dtype", None) == {}
+                    and getattr(definition, "_disabled_kernel", None) == set())
     return definition._init_fn if only_defined else None
 
 
 def compile_generated(module: fx.GraphModule, inputs: list[Any]) -> Callable[..., Any]:
     """The eager backend's compiler: a generated module as the boxed callable AOTAutograd runs
-    in each step, its ATen ops called through `bound_op`. On a GPU a small model's step waits
-    on the host's op calls, and the Python frame per op was a visible share of them.
+    in each step, its ops called through `bound_op`. On a GPU a small model's step waits on the
+    host's op calls, and the Python frames per op were a visible share of them.
     Subclasses of `OpOverload` (TorchBind ops) call through their own `__call__`, and are left."""
     for node in module.graph.nodes:
         if node.op == "call_function" and type(node.target) is torch._ops.OpOverload:
