@@ -80,14 +80,13 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch._dynamo.backends.common import aot_autograd
-from torch._dynamo.backends.debugging import boxed_nop
 from torch.fx.experimental.symbolic_shapes import free_symbols
 
 from rkgraph.capture import CaptureError, JointGraph, _native_kernels, is_tangent
 from rkgraph.rewrites import apply_rewrites
 from rkgraph.units import format_bytes
 from rockplan.budget import budget_bytes
-from rockplan.codegen import generate
+from rockplan.codegen import compile_generated, generate
 from rockplan.graph_split import GraphOption, GraphSequence, choose, step_peaks
 from rockplan.planner import DEFAULT_SOLVER, Plan, PlanOptions, Profile, costed_graph, plan, reuse
 from solvers import RUNTIME_SOLVERS, InfeasibleBudget, min_feasible_budget, simulate, solve_store_all
@@ -228,7 +227,7 @@ class Backend:
         backend when it has run (what the graph held is then released)."""
 
         def compile_backward(gm: fx.GraphModule, inputs: Any) -> Any:
-            run = boxed_nop(gm, inputs)
+            run = compile_generated(gm, inputs)
 
             def backward(args: list) -> Any:
                 try:
@@ -240,7 +239,7 @@ class Backend:
             return backward
 
         with _native_kernels():
-            return aot_autograd(fw_compiler=boxed_nop, bw_compiler=compile_backward,
+            return aot_autograd(fw_compiler=compile_generated, bw_compiler=compile_backward,
                                 partition_fn=partition)(gm, inputs)
 
     def _compile_again(self, gm: fx.GraphModule, args: list[Any], kinds: list[str], names: list[str], index: int,

@@ -10,16 +10,24 @@ and reused while that same base is alive; once the base is freed or recomputed, 
 derives it again. A view kept longer would hold its base's storage past the schedule's free,
 and one derived at every use costs an op call each time (on a GPU, whose step waits on the
 host's op calls, that was a tenth of the ops of an HF Llama step).
+
+The eager backend runs the modules as fx wrote them, with one change (`compile_generated`):
+each op is called through a callable bound once (`bound_op`: an ATen op's C++ entry point, one
+of our custom ops' Python definition), not through `OpOverload.__call__` and the dispatcher's
+Python layers, frames per op call that a small model's GPU step waits on.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
 from torch import fx
+from torch._dynamo.backends.debugging import boxed_nop
+from torch._library.custom_ops import OPDEFS
 
 from rkgraph.build import first_value, is_random, is_view
 from rkgraph.capture import JointGraph, is_tangent
@@ -94,7 +102,7 @@ class _Emitter:
             self.rng_states[original.name] = state
             return self.graph.node_copy(original, self.value)
         args, kwargs = fx.node.map_arg((original.args, original.kwargs), self.value)
-        node = self.graph.call_function(replay, (state, device, str(original.target), *args), kwargs)
+        node = self.graph.call_function(replay, (state, device, original.target, *args), kwargs)
         node.meta = dict(original.meta)
         return node
 
@@ -191,3 +199,51 @@ def generate(joint: JointGraph, graph: RematGraph, schedule: Any) -> tuple[fx.Gr
     bw.run(backward_ops)
     bw_module = bw.module(gm, outputs[joint.num_fwd_outputs:])
     return fw_module, bw_module
+
+
+@functools.cache
+def bound_op(op: torch._ops.OpOverload) -> Callable[..., Any]:
+    """`op` as the step calls it: its C++ entry point, what `OpOverload.__call__` calls (the
+    same op, dispatched the same way, without a Python frame), or for a custom op defined in
+    Python with nothing but its definition (our rewrites' ops), that definition. Named as `op`
+    (`aten.add.Tensor`): fx's generated code calls it as the global `aten_add_Tensor`, where it
+    wrote `torch.ops.aten.add.Tensor` (an attribute lookup per namespace level and a Python
+    call per op call)."""
+    call = functools.partial(_python_definition(op) or op._op)
+    call.__module__, call.__name__ = op.namespace, f"{op._opname}.{op._overloadname}"
+    return call
+
+
+def _python_definition(op: torch._ops.OpOverload) -> Callable[..., Any] | None:
+    """The Python function that defines custom op `op` (`torch.library.custom_op`) where
+    calling it is all the dispatcher would do in a generated step, else None.
+
+    Through the dispatcher, a Python custom op's call runs its autograd layer, a check that the
+    output aliases no input and a wrapper keeping Dynamo out before it reaches the function:
+    several Python frames per call, dearer than the small kernels it wraps. A step's modules run
+    without grad (the forward inside AOTAutograd's autograd.Function, the backward inside
+    autograd's engine), so the autograd layer only passes the call on. An op with more than its
+    definition (a kernel per device, an autograd formula, a rule for a dispatch mode, vmap or
+    autocast, a disabled kernel), or whose definition's fields this torch names otherwise, is
+    called through the dispatcher."""
+    definition = OPDEFS.get(op._name)
+    if definition is None or op._overloadname != "default":
+        return None
+    only_defined = (set(getattr(definition, "_backend_fns", ())) == {None}
+                    and getattr(definition, "_backward_fn", True) is None
+                    and getattr(definition, "_torch_dispatch_fns", None) == {}
+                    and getattr(definition, "_vmap_fn", True) is None
+                    and getattr(definition, "_autocast_dtype", None) == {}
+                    and getattr(definition, "_disabled_kernel", None) == set())
+    return definition._init_fn if only_defined else None
+
+
+def compile_generated(module: fx.GraphModule, inputs: list[Any]) -> Callable[..., Any]:
+    """The eager backend's compiler: a generated module as the boxed callable AOTAutograd runs
+    in each step, its ops called through `bound_op`. On a GPU a small model's step waits on the
+    host's op calls, and the Python frames per op were a visible share of them.
+    Subclasses of `OpOverload` (TorchBind ops) call through their own `__call__`, and are left."""
+    for node in module.graph.nodes:
+        if node.op == "call_function" and type(node.target) is torch._ops.OpOverload:
+            node.target = bound_op(node.target)
+    return boxed_nop(module, inputs)

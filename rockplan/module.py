@@ -23,7 +23,6 @@ from typing import Any, Literal
 import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
-from torch._dynamo.backends.debugging import boxed_nop
 
 from rkgraph.capture import (
     CaptureError,
@@ -43,7 +42,7 @@ from rkgraph.rewrites import apply_rewrites
 from rockplan import progress
 from rockplan.backend import GraphBreaks, GraphPlan
 from rockplan.budget import check_gradients_fit
-from rockplan.codegen import generate
+from rockplan.codegen import compile_generated, generate
 from rockplan.decisions import decide
 from rockplan.distributed import check_engine_order
 from rockplan.explain import explain
@@ -340,7 +339,7 @@ class Rockmate(nn.Module):
             compiler = inductor_compiler(lambda: planned[0].joint.num_fwd_outputs)
             compiled = training_function(self.model, flat, plan_and_generate, compiler, decompositions())
         else:
-            compiled = training_function(self.model, flat, plan_and_generate, boxed_nop)
+            compiled = training_function(self.model, flat, plan_and_generate, compile_generated)
         with progress.Progress(self.options.name):
             progress.stage("capture")
             trace(self.model, flat, compiled, args, kwargs, native_kernels=self.backend != "inductor")

@@ -26,16 +26,13 @@ def _set_rng_state(device: torch.device, state: torch.Tensor) -> None:
         torch.set_rng_state(state)
 
 
-def replay(state: torch.Tensor, device: torch.device, op: str, *args: Any, **kwargs: Any) -> Any:
-    """Run the random op `op` ("rkgraph.dropout_mask.default") as it ran when `state` was recorded.
-
-    The op is named by a string because generated fx code prints its arguments as source.
-    """
-    namespace, packet, overload = op.split(".")
-    fn = getattr(getattr(getattr(torch.ops, namespace), packet), overload)
+def replay(state: torch.Tensor, device: torch.device, op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
+    """Run the random op `op` (`torch.ops.rkgraph.dropout_mask.default`) as it ran when `state`
+    was recorded. fx prints an op argument as its qualified name, so the generated code stays
+    source; the op is called through its C++ entry point, as `codegen.bound_op` calls the others."""
     current = rng_state(device)
     _set_rng_state(device, state)
     try:
-        return fn(*args, **kwargs)
+        return op._op(*args, **kwargs)
     finally:
         _set_rng_state(device, current)

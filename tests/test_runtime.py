@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import importlib.util
 import math
+import sys
 
 import pytest
 import torch
@@ -593,3 +594,48 @@ def test_generated_code_derives_a_view_once_while_its_base_lives(budget: float, 
     for module in generate(plan.joint, plan.graph, plan.schedule):
         views = [(n.target, n.args, tuple(n.kwargs.items())) for n in module.graph.nodes if is_view(n)]
         assert views and len(views) == len(set(map(repr, views))), module.code
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_planned_step_calls_its_ops_without_the_python_op_wrapper(recompute: bool,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The generated step calls each ATen op through its C++ entry point (`codegen.bound_op`),
+    not `OpOverload.__call__`, a Python frame per op call that a small model's GPU step waits
+    on, a recomputed dropout's replay included; and our rewrites' custom ops (dropout's here)
+    as the Python functions they are, not through the dispatcher's Python autograd layer.
+    Gradients stay eager's. (Those functions call ATen as they like: only calls from the
+    step's own code count.)"""
+    from rockplan import rng
+
+    model, args, kwargs, _loss = zoo.make("gpt", "tiny")
+    eager = copy.deepcopy(model)
+    rk = Rockmate(model, (args, kwargs), 1.0, solver="store_all")
+    if recompute:  # as test_recomputed_dropout_reproduces_its_mask plans it
+        rk = Rockmate(model, (args, kwargs), min_feasible_budget(rk.graph), solver_options=SOLVER_OPTIONS,
+                      profile="estimate")
+        assert any(op.kind == "compute" and rk.graph.node(op.name).rng for op in rk.schedule.backward_ops)
+    _step(rk, args, kwargs)  # the first step compiles the backward
+    model.zero_grad(set_to_none=True)
+    calls: list[str] = []
+    wrapper = torch._ops.OpOverload.__call__
+
+    def counted(op: torch._ops.OpOverload, *a: object, **kw: object) -> object:
+        caller = sys._getframe(1).f_code.co_filename
+        if caller.startswith("<eval_with_key>") or caller == rng.__file__:  # fx's generated code, or replay
+            calls.append(str(op))
+        return wrapper(op, *a, **kw)
+
+    redispatch = torch._ops.OpOverload.redispatch
+
+    def counted_redispatch(op: torch._ops.OpOverload, *a: object, **kw: object) -> object:
+        if op.namespace == "rkgraph":
+            calls.append(f"{op} through the dispatcher")
+        return redispatch(op, *a, **kw)
+
+    monkeypatch.setattr(torch._ops.OpOverload, "__call__", counted)
+    monkeypatch.setattr(torch._ops.OpOverload, "redispatch", counted_redispatch)
+    _step(rk, args, kwargs)
+    monkeypatch.undo()
+    assert calls == []
+    _step(eager, args, kwargs)
+    _assert_same_state(model, eager)
