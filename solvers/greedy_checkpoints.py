@@ -26,22 +26,32 @@ def _greedy(graph: RematGraph, budget: int | None, forward_once: bool, deadline:
     def build(checkpoints: list[str]) -> Schedule:
         return min_memory_schedule(graph, checkpoints, solver=NAME, forward_once=forward_once)
 
+    def fits(peak: int) -> bool:
+        return budget is None or peak <= budget
+
     best = build([])
     candidates = [d for node in graph.forward_nodes if not node.random for d in node.outputs
                   if not graph.is_source(d) and graph.data[d].size > 0]
     gains: dict[str, float] = {}
+    # (peak, time) of each checkpoint alone: until one is kept, the trials below are these very
+    # schedules, so they are built again only when they fit (at tight budgets, almost none do).
+    alone: dict[str, tuple[int, float]] = {}
     for d in candidates:
         if time.perf_counter() > deadline:
             break
-        saved = best.predicted_time - build([d]).predicted_time
+        single = build([d])
+        alone[d] = (single.predicted_peak, single.predicted_time)
+        saved = best.predicted_time - single.predicted_time
         if saved > 0:
             gains[d] = saved / graph.data[d].size
     kept: list[str] = []
     for d in sorted(gains, key=gains.__getitem__, reverse=True):
         if time.perf_counter() > deadline:
             break
+        if not kept and not (fits(alone[d][0]) and alone[d][1] < best.predicted_time):
+            continue
         trial = build([*kept, d])
-        if (budget is None or trial.predicted_peak <= budget) and trial.predicted_time < best.predicted_time:
+        if fits(trial.predicted_peak) and trial.predicted_time < best.predicted_time:
             kept.append(d)
             best = trial
     best.extra = {"checkpoints": kept, "forward_once": forward_once}
