@@ -27,7 +27,7 @@ from solvers.chain import (
     store_all_option,
     undominated,
 )
-from solvers.greedy_checkpoints import solve_greedy_checkpoints
+from solvers.greedy_checkpoints import Measured, solve_greedy_checkpoints
 from solvers.ilp_model import MILP_MAX_NODES, CheckmateMilp, memory_unit
 from solvers.schedule import Schedule
 from solvers.simulate import InfeasibleBudget
@@ -64,11 +64,13 @@ def block_options(sub: RematGraph, time_limit: float) -> tuple[list[BlockOption]
     nf = len(forward)
     solves = 0
     deadline = time.perf_counter() + time_limit
+    measured: Measured = {}  # greedy checkpoints' budget-free builds, shared by the grid
     for peak_fraction in PEAK_FRACTIONS:
         peak = int(lowest + peak_fraction * (highest - lowest))
         unit = memory_unit(peak)
         try:
-            options.append(_option_of(sub, solve_greedy_checkpoints(sub, peak, time_limit=time_limit / 10),
+            options.append(_option_of(sub, solve_greedy_checkpoints(sub, peak, time_limit=time_limit / 10,
+                                                                   measured=measured),
                                       f"greedy peak {format_bytes(peak)}"))
         except InfeasibleBudget:
             pass

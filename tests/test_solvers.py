@@ -508,6 +508,17 @@ def test_greedy_checkpoints_build_each_schedule_once(monkeypatch: pytest.MonkeyP
     for forward_once in (False, True):
         again = [c for (family, c), n in built.items() if family == forward_once and n > 1]
         assert len(again) <= 1 and all(len(c) == 1 for c in again)
+    # At several budgets, with what the first call measured: the same schedules, and one
+    # checkpoint alone is built again only as the first one kept.
+    measured: greedy_checkpoints.Measured = {}
+    for fraction in (0.0, 0.5, 1.0):
+        loose = int(budget + fraction * (solve_store_all(graph).predicted_peak - budget))
+        alone = solve_greedy_checkpoints(graph, loose)
+        built.clear()
+        shared = solve_greedy_checkpoints(graph, loose, measured=measured)
+        assert shared.computes() == alone.computes()
+        if fraction > 0:
+            assert sum(n for (_, c), n in built.items() if len(c) == 1) <= 2
 
 
 @FAST
