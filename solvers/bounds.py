@@ -124,6 +124,13 @@ def memory_lower_bound(graph: RematGraph) -> tuple[int, str]:
     return max([*_phase_floors(graph), *_step_floors(graph, _ancestors(graph)).values()])
 
 
+def backward_step_floor(graph: RematGraph) -> int:
+    """Bytes alive at some backward step in any schedule: the highest `_step_floors` of a
+    needed backward node (0 without one). Every schedule runs those nodes in its backward."""
+    floors = _step_floors(graph, _ancestors(graph))
+    return max((floors[n.name][0] for n in graph.backward_nodes if n.name in floors), default=0)
+
+
 def _phase_floors(graph: RematGraph) -> list[tuple[int, str]]:
     """(bytes, reason) alive in any schedule at the phase boundary and at the end."""
     return [(_size(graph, graph.forward_outputs) + _size(graph, graph.tangents),

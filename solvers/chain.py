@@ -440,6 +440,16 @@ def plan_computes(graph: RematGraph, chain: Chain, actions: list[tuple[str, int,
     return computes, len(computes) if forward_count is None else forward_count
 
 
+def chain_fits_model(chain: Chain, budget: int, slots: int) -> bool:
+    """Whether the program finds a plan of `chain` in `budget` at some memory `schedule_chain`
+    tries (none above the budget): where it does not, `schedule_chain` returns None. The
+    program's needs grow with each option's peaks, what it keeps and whether it reads its input,
+    so options that need no more than any real one make a chain that fits whenever one does."""
+    if budget - chain.offset <= 0:
+        return False
+    return bool(np.isfinite(solve_chain(chain, budget, slots).cost[0, len(chain.blocks) - 1][slots]))
+
+
 def schedule_chain(graph: RematGraph, chain: Chain, budget: int, slots: int, solver: str,
                    attempts: int = 8) -> Schedule | None:
     """The fastest plan of the chain that fits `budget` in the simulator, or None.

@@ -21,42 +21,62 @@ from solvers.simulate import InfeasibleBudget, simulate
 NAME = "greedy_checkpoints"
 
 
-def _greedy(graph: RematGraph, budget: int | None, forward_once: bool, deadline: float) -> Schedule:
+Measured = dict[tuple[bool, str], tuple[int, float]]  # (forward_once, checkpoint) -> (peak, time) of it alone
+
+
+def _greedy(graph: RematGraph, budget: int | None, forward_once: bool, deadline: float,
+            alone: Measured) -> Schedule:
     """Greedy checkpoint selection within one schedule family (see `min_memory_schedule`)."""
     def build(checkpoints: list[str]) -> Schedule:
         return min_memory_schedule(graph, checkpoints, solver=NAME, forward_once=forward_once)
+
+    def fits(peak: int) -> bool:
+        return budget is None or peak <= budget
 
     best = build([])
     candidates = [d for node in graph.forward_nodes if not node.random for d in node.outputs
                   if not graph.is_source(d) and graph.data[d].size > 0]
     gains: dict[str, float] = {}
+    # (peak, time) of each checkpoint alone, whatever the budget: until one is kept, the trials
+    # below are these very schedules, so they are built again only when they fit (at tight
+    # budgets, almost none do).
     for d in candidates:
-        if time.perf_counter() > deadline:
-            break
-        saved = best.predicted_time - build([d]).predicted_time
+        if (forward_once, d) not in alone:
+            if time.perf_counter() > deadline:
+                break
+            single = build([d])
+            alone[forward_once, d] = (single.predicted_peak, single.predicted_time)
+        saved = best.predicted_time - alone[forward_once, d][1]
         if saved > 0:
             gains[d] = saved / graph.data[d].size
     kept: list[str] = []
     for d in sorted(gains, key=gains.__getitem__, reverse=True):
         if time.perf_counter() > deadline:
             break
+        peak, took = alone[forward_once, d]
+        if not kept and not (fits(peak) and took < best.predicted_time):
+            continue
         trial = build([*kept, d])
-        if (budget is None or trial.predicted_peak <= budget) and trial.predicted_time < best.predicted_time:
+        if fits(trial.predicted_peak) and trial.predicted_time < best.predicted_time:
             kept.append(d)
             best = trial
     best.extra = {"checkpoints": kept, "forward_once": forward_once}
     return best
 
 
-def solve_greedy_checkpoints(graph: RematGraph, budget: int | None = None, time_limit: float = 10.0) -> Schedule:
+def solve_greedy_checkpoints(graph: RematGraph, budget: int | None = None, time_limit: float = 10.0,
+                             measured: Measured | None = None) -> Schedule:
     """Best of two families: recompute forward activations in the forward phase too (fits the
     tightest budgets) or run the forward once (much faster when it fits). `time_limit` caps the
     search (the best schedule so far is returned). Raises
-    InfeasibleBudget if no schedule of either family fits."""
+    InfeasibleBudget if no schedule of either family fits. A caller that solves one graph at
+    several budgets passes the same `measured` (empty at first) to each call: the schedules
+    keeping one checkpoint do not depend on the budget, and they are most of the work."""
     start = time.perf_counter()
+    measured = {} if measured is None else measured
     results = []
     for i, forward_once in enumerate((True, False)):
-        family = _greedy(graph, budget, forward_once, start + time_limit * (i + 1) / 2)
+        family = _greedy(graph, budget, forward_once, start + time_limit * (i + 1) / 2, measured)
         if budget is None or family.predicted_peak <= budget:
             results.append(family)
     if not results:

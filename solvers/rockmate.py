@@ -17,16 +17,17 @@ import time
 
 from rkgraph.graph import RematGraph
 from rkgraph.units import format_bytes
-from solvers.bounds import memory_lower_bound
+from solvers.bounds import backward_step_floor, memory_lower_bound, needed_nodes
 from solvers.chain import (
     BlockOption,
     build_chain,
+    chain_fits_model,
     measure,
     schedule_chain,
     store_all_option,
     undominated,
 )
-from solvers.greedy_checkpoints import solve_greedy_checkpoints
+from solvers.greedy_checkpoints import Measured, solve_greedy_checkpoints
 from solvers.ilp_model import MILP_MAX_NODES, CheckmateMilp, memory_unit
 from solvers.schedule import Schedule
 from solvers.simulate import InfeasibleBudget
@@ -63,11 +64,13 @@ def block_options(sub: RematGraph, time_limit: float) -> tuple[list[BlockOption]
     nf = len(forward)
     solves = 0
     deadline = time.perf_counter() + time_limit
+    measured: Measured = {}  # greedy checkpoints' budget-free builds, shared by the grid
     for peak_fraction in PEAK_FRACTIONS:
         peak = int(lowest + peak_fraction * (highest - lowest))
         unit = memory_unit(peak)
         try:
-            options.append(_option_of(sub, solve_greedy_checkpoints(sub, peak, time_limit=time_limit / 10),
+            options.append(_option_of(sub, solve_greedy_checkpoints(sub, peak, time_limit=time_limit / 10,
+                                                                   measured=measured),
                                       f"greedy peak {format_bytes(peak)}"))
         except InfeasibleBudget:
             pass
@@ -97,6 +100,17 @@ def block_options(sub: RematGraph, time_limit: float) -> tuple[list[BlockOption]
     return undominated(options), solves
 
 
+def least_memory_option(sub: RematGraph) -> list[BlockOption]:
+    """One option of a block graph that needs no more memory than any schedule of it: nothing
+    kept, no forward peak, the backward peak its steps force in every schedule
+    (`solvers.bounds.backward_step_floor`), and as its backward only the backward nodes every
+    schedule runs there (the chain reads the block's input for it only if one of them does).
+    It exists only to say where no real option can fit (`chain_schedules`): no schedule runs it."""
+    needed = needed_nodes(sub)
+    backward = [n.name for n in sub.backward_nodes if n.name in needed]
+    return [BlockOption([], backward, 0.0, 0.0, 0, 0, backward_step_floor(sub), "least memory")]
+
+
 def chain_schedules(graph: RematGraph, budget: int, known: list[Schedule], time_limit: float,
                     block_time_limit: float = 1.0, slots: int = 500) -> tuple[list[Schedule], dict[str, object]]:
     """Rockmate's plan of the chain of blocks and rotor's, those that fit `budget`, found in
@@ -105,6 +119,13 @@ def chain_schedules(graph: RematGraph, budget: int, known: list[Schedule], time_
     treat identical layers differently, and the program can mix their treatments."""
     start = time.perf_counter()
     solves = 0
+    # Each block's MILPs take seconds: first ask whether any plan of the chain can fit, with
+    # every block at the least memory its schedules need (a fraction of a second). Where the
+    # program finds none, neither Rockmate's options nor rotor's can fit.
+    least = build_chain(graph, least_memory_option)
+    if not chain_fits_model(least, budget, slots):
+        return [], {"blocks": len(least.blocks), "distinct_blocks": least.distinct, "ilp_solves": 0,
+                    "chain_fits": False}
 
     def options(sub: RematGraph) -> list[BlockOption]:
         nonlocal solves

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import solvers.rockmate as rockmate
 from rkgraph.blocks import backward_blocks
 from rkgraph.graph import RematGraph
 from solvers import (
@@ -23,7 +24,7 @@ from solvers import (
     solve_store_all,
 )
 from solvers.bounds import chain_order_floor, time_lower_bound
-from solvers.chain import build_chain, schedule_chain, store_all_option
+from solvers.chain import build_chain, chain_fits_model, schedule_chain, store_all_option
 from solvers.rockmate import block_options, chain_schedules
 from solvers.simulate import schedule_from_computes
 from tests.graph_factories import random_training_graph, training_graph
@@ -158,6 +159,46 @@ def test_heuristic_schedules_cut_per_block_are_options_of_the_chain() -> None:
     # Rotor's whole-block choices alone: 61 s; with DTR's per-block treatments, DTR's 60 s.
     assert rotor.predicted_time == 61 and combined.predicted_time == dtr.predicted_time == 60
     simulate(graph, combined, budget)
+
+
+def test_no_block_is_solved_where_the_chain_cannot_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One-node blocks, memory in three slots: each block's backward rounds up to a slot more than
+    # it holds, so no plan of the chain fits a budget that storing everything misses by a byte,
+    # whatever its blocks' options, and their MILPs are not solved.
+    graph = blocked_chain([10] * 6, [1.0] * 6, 1)
+    budget = solve_store_all(graph).predicted_peak - 1
+    assert budget >= budget_bounds(graph).lower
+    assert not chain_fits_model(build_chain(graph, rockmate.least_memory_option), budget, 3)
+
+    def solved(*args: object) -> None:
+        raise AssertionError("a block was solved")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(rockmate, "block_options", solved)
+        found, extra = rockmate.chain_schedules(graph, budget, [], time_limit=5, slots=3)
+    assert found == [] and extra["chain_fits"] is False
+    # Solved all the same, the blocks' options find no plan either.
+    monkeypatch.setattr(rockmate, "chain_fits_model", lambda *args: True)
+    assert rockmate.chain_schedules(graph, budget, [], time_limit=5, slots=3)[0] == []
+
+
+@pytest.mark.parametrize("slots", [2, 3, 5])  # coarse memory: the least-memory chain often misses
+def test_the_chain_finds_nothing_where_its_least_memory_options_do_not_fit(
+        slots: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`least_memory_option` needs no more memory than any option of its block: wherever the
+    chain of them does not fit, the chain of real options (MILPs, greedy, cuts of `known`,
+    rotor's) finds nothing."""
+    monkeypatch.setattr(rockmate, "chain_fits_model", lambda *args: True)  # solve every block
+    for seed in range(12):
+        graph = random_training_graph(seed, max_forward=6, weight_nodes=seed % 2 == 1)
+        bounds = budget_bounds(graph)
+        top = bounds.baselines[0].predicted_peak
+        least = build_chain(graph, rockmate.least_memory_option)
+        for budget in sorted({bounds.lower + (top - bounds.lower) * k // 4 for k in range(5)}):
+            if not chain_fits_model(least, budget, slots):
+                found, _ = rockmate.chain_schedules(graph, budget, [solve_dtr(graph, top)], time_limit=2,
+                                                    block_time_limit=0.2, slots=slots)
+                assert found == [], (seed, budget)
 
 
 def test_search_stops_at_the_proven_floor() -> None:

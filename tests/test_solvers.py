@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import rkgraph
+import solvers.greedy_checkpoints as greedy_checkpoints
 from rkgraph.graph import RematGraph
 from rockplan import zoo
 from solvers import (
@@ -489,6 +491,36 @@ def test_greedy_checkpoints_fit_down_to_the_minimum_memory_schedule(seed: int, f
     s = solve_greedy_checkpoints(graph, budget)
     assert simulate(graph, s, budget).peak == s.predicted_peak <= budget
     assert s.predicted_time <= min_memory_schedule(graph).predicted_time
+
+
+def test_greedy_checkpoints_build_each_schedule_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # At the tightest budget the first checkpoints by gain do not fit: a trial of one checkpoint
+    # is the schedule its gain was measured on, built again only when it is kept.
+    graph = chain_graph(8)
+    budget = min_memory_schedule(graph).predicted_peak
+    built: Counter[tuple[bool, tuple[str, ...]]] = Counter()
+
+    def counted(graph: RematGraph, checkpoints: list[str], **options: object) -> Schedule:
+        built[options["forward_once"], tuple(checkpoints)] += 1
+        return min_memory_schedule(graph, checkpoints, **options)
+
+    monkeypatch.setattr(greedy_checkpoints, "min_memory_schedule", counted)
+    s = solve_greedy_checkpoints(graph, budget)
+    assert s.predicted_peak <= budget and s.extra["checkpoints"]
+    for forward_once in (False, True):
+        again = [c for (family, c), n in built.items() if family == forward_once and n > 1]
+        assert len(again) <= 1 and all(len(c) == 1 for c in again)
+    # At several budgets, with what the first call measured: the same schedules, and one
+    # checkpoint alone is built again only as the first one kept.
+    measured: greedy_checkpoints.Measured = {}
+    for fraction in (0.0, 0.5, 1.0):
+        loose = int(budget + fraction * (solve_store_all(graph).predicted_peak - budget))
+        alone = solve_greedy_checkpoints(graph, loose)
+        built.clear()
+        shared = solve_greedy_checkpoints(graph, loose, measured=measured)
+        assert shared.computes() == alone.computes()
+        if fraction > 0:
+            assert sum(n for (_, c), n in built.items() if len(c) == 1) <= 2
 
 
 @FAST
