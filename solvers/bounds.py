@@ -145,7 +145,7 @@ def in_order_floor(graph: RematGraph, order: Sequence[str] | None = None,
     order, autograd's) peaks below this. Graph order is the family of every heuristic in the
     portfolio (DTR's program, saved values, peak shaving, the minimum-memory family) and of
     Checkmate's MILP (stage t first computes node t); only Rockmate's and rotor's chain plans
-    (`solvers.chain`) run in another, `solvers.chain.chain_order` (`chain_order_floor`).
+    (`solvers.chain`) run in another: block after block (`chain_order_floor`).
 
     `memory_lower_bound` holds, at each node, only the gradients its ancestors made: a
     gradient of another branch could be made later, from its inputs remade then. In a fixed
