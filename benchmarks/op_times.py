@@ -75,7 +75,7 @@ def main() -> None:
         return run
 
     # A diagnostic, not an option: the runtime's compiler is swapped for this run only.
-    rockplan.module.boxed_nop = timing_compiler
+    rockplan.module.compile_generated = timing_compiler
     store_all = Rockmate(copy.deepcopy(model), (model_args, kwargs), 1.0, solver="store_all")
     plan = Rockmate(copy.deepcopy(model), (model_args, kwargs), args.budget, solver=args.solver,
                     profile=store_all.profile_times())

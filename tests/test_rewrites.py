@@ -517,7 +517,7 @@ def test_rkgraph_modules_import_each_other_without_a_circle() -> None:
 def test_our_ops_are_registered_by_any_import(entry: str) -> None:
     """Plan files and generated code name our ops (`rkgraph.dropout_mask.default`); whichever of
     the project's modules a fresh interpreter imports first, they resolve, and a recorded draw
-    replays by name."""
+    replays through the op they name."""
     code = f"""
 import importlib, torch
 importlib.import_module({entry!r})
@@ -527,7 +527,7 @@ for name in {_OUR_OPS!r}:
 from rockplan.rng import replay
 state = torch.get_rng_state()
 first = torch.ops.rkgraph.dropout_mask([64], [1], 0.5, torch.device("cpu"))
-again = replay(state, torch.device("cpu"), "rkgraph.dropout_mask.default", [64], [1], 0.5, torch.device("cpu"))
+again = replay(state, torch.device("cpu"), torch.ops.rkgraph.dropout_mask.default, [64], [1], 0.5, torch.device("cpu"))
 assert torch.equal(first, again)
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
