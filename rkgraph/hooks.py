@@ -271,7 +271,9 @@ def _usable(leaf: Any) -> Any:
 
 # --- capture: hooks replaced by calls while tracing ------------------------------------------------
 
-_KINDS = (  # module attribute, global dict, kind
+# (module attribute, global dict, kind). `hook_ids` reads the module attributes by name, in this
+# order (each step's guards call it): a kind added here is added there too.
+_KINDS = (
     ("_forward_pre_hooks", "_global_forward_pre_hooks", "forward_pre"),
     ("_forward_hooks", "_global_forward_hooks", "forward"),
     ("_backward_pre_hooks", "_global_backward_pre_hooks", "backward_pre"),

@@ -47,7 +47,7 @@ from solvers import (
     solve_store_all,
     solver_options,
 )
-from solvers.bounds import budget_bounds, time_lower_bound
+from solvers.bounds import budget_bounds, reachable_floor, time_lower_bound
 
 log = logging.getLogger(__name__)
 
@@ -187,11 +187,11 @@ def _settled_by_lean_variant(graph: RematGraph, reference: Schedule, budget: int
     tried first (`time_lower_bound` without `closure`: it often settles it, sooner), then the
     full one. (None, None) where this cannot happen: a plan file, no lean variant asked for,
     store-all fits, a solver that takes no floor, a budget below what the portfolio's solvers
-    reach (`BudgetBounds.reachable`: the solver refuses it at once)."""
+    reach (`bounds.reachable_floor`: the solver refuses it at once)."""
     if (options.plan_file is not None or not options.lean_variant or reference.predicted_peak <= budget
             or "floor" not in solver_options(options.solver)):
         return None, None
-    if budget < budget_bounds(graph).reachable[0]:  # the solver refuses at once: no floor to prove for it
+    if budget < reachable_floor(graph)[0]:  # the solver refuses at once: no floor to prove for it
         return None, None
     for closure in (False, True):
         floor = time_lower_bound(graph, budget, closure=closure, intervals=False)
@@ -237,7 +237,7 @@ class _LeanVariant:
                 # it; not where the portfolio refuses the budget at once. The knapsacks' floor only:
                 # the portfolio proves the full one (its MILPs, a second or more) only when its search
                 # ends above this one, and a lean plan often meets it.
-                if self._budget >= budget_bounds(self.graph).reachable[0]:
+                if self._budget >= reachable_floor(self.graph)[0]:
                     self.floor = time_lower_bound(self.graph, self._budget, closure=False, intervals=False)
         return self.joint is not None
 

@@ -172,7 +172,7 @@ def in_order_floor(graph: RematGraph, order: Sequence[str] | None = None,
     return best, why
 
 
-def chain_order_floor(graph: RematGraph) -> tuple[float, str]:
+def chain_order_floor(graph: RematGraph) -> tuple[int, str]:
     """(bytes, reason): no plan of the chain of blocks (Rockmate's, rotor's: `solvers.chain`)
     peaks below this.
 
@@ -204,6 +204,14 @@ def chain_order_floor(graph: RematGraph) -> tuple[float, str]:
                                     "in a chain plan is held")
         later.update(d for name in block for d in graph.node(name).outputs if d in backward_outputs)
     return best, why
+
+
+def reachable_floor(graph: RematGraph) -> tuple[int, str]:
+    """(bytes, reason): the least peak any solver of the portfolio can reach, the lower of the
+    in-order floor and the chain's; `BudgetBounds.reachable` without building the baselines.
+    Below it the portfolio refuses without searching; it is not proven for every schedule
+    (`memory_lower_bound` is)."""
+    return min(in_order_floor(graph), chain_order_floor(graph))
 
 
 def time_lower_bound(graph: RematGraph, budget: int, steps: int = 64, closure: bool = True,
@@ -663,7 +671,7 @@ class BudgetBounds:
     graph: RematGraph = field(repr=False)
     _min_memory: Schedule | None = field(default=None, repr=False)
     _in_order: tuple[int, str] | None = field(default=None, repr=False)
-    _reachable: tuple[int, str] | None = field(default=None, repr=False)
+    _chain: tuple[int, str] | None = field(default=None, repr=False)
 
     @property
     def min_memory(self) -> Schedule:
@@ -679,13 +687,16 @@ class BudgetBounds:
         return self._in_order
 
     @property
+    def chain(self) -> tuple[int, str]:
+        """`chain_order_floor`: no plan of the chain of blocks peaks below it."""
+        if self._chain is None:
+            self._chain = chain_order_floor(self.graph)
+        return self._chain
+
+    @property
     def reachable(self) -> tuple[int, str]:
-        """The least peak any solver of the portfolio can reach: the lower of the in-order floor
-        and the chain's (`chain_order_floor`). Below it the portfolio refuses without searching;
-        it is not proven for every schedule (`lower` is)."""
-        if self._reachable is None:
-            self._reachable = min(self.in_order, chain_order_floor(self.graph))
-        return self._reachable
+        """`reachable_floor`, from the floors held here."""
+        return min(self.in_order, self.chain)
 
     @property
     def candidates(self) -> list[Schedule]:
@@ -732,7 +743,7 @@ class BudgetBounds:
             return ""
         said = (f"; no schedule that runs the nodes in autograd's order (every solver's but the chain's) peaks "
                 f"below {floor} bytes ({format_bytes(floor)}; {reason})")
-        chain, why = chain_order_floor(self.graph)
+        chain, why = self.chain
         if chain > self.lower:
             said += (f", and no plan of the chain of blocks below {chain} bytes ({format_bytes(chain)}; {why})")
         return said
