@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import operator
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch  # noqa: E402
 from bench import MIN_BUDGET_MARGIN  # noqa: E402  (beside this script, on its path)
 from bench_page import write_page  # noqa: E402
 
-from rkgraph.profile import _bytes_moved, node_flops  # noqa: E402
+from rkgraph.profile import estimated_seconds  # noqa: E402
 from rockplan import Rockmate, zoo  # noqa: E402
 from rockplan.planner import Plan  # noqa: E402
 from solvers import min_feasible_budget  # noqa: E402
@@ -45,19 +44,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
 def launch_bound_times(plan: Plan) -> dict[str, float]:
     """Node name -> seconds on the launch-bound model, for autograd's graph of `plan`."""
-    fx_nodes = {n.name: n for n in plan.joint.module.graph.nodes}
-    times = {}
-    for node in plan.graph.nodes:
-        seconds = 0.0
-        for name in node.fx_nodes:
-            fx_node = fx_nodes[name]
-            if fx_node.target is operator.getitem:
-                continue
-            view = isinstance(fx_node.target, torch._ops.OpOverload) and fx_node.target.is_view
-            seconds += (0.0 if view else LAUNCH_SECONDS) + max(node_flops(fx_node) / FLOPS,
-                                                              _bytes_moved(fx_node) / BANDWIDTH)
-        times[node.name] = seconds
-    return times
+    return estimated_seconds(plan.graph, plan.joint.module, FLOPS, BANDWIDTH, LAUNCH_SECONDS)
 
 
 def plan_rows(name: str, size: str, ratios: list[float | str], dtype: torch.dtype | None) -> list[str]:

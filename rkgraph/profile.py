@@ -66,13 +66,26 @@ def node_flops(node: fx.Node) -> int:
         return 0
 
 
-def estimate_times(graph: RematGraph, joint: fx.GraphModule, device: str = "cpu") -> None:
-    """Fill `time` of every compute node with the roofline estimate."""
-    flops_per_s, bytes_per_s = _DEVICE_SPEED.get(device, _DEVICE_SPEED["cpu"])
+def estimated_seconds(graph: RematGraph, joint: fx.GraphModule, flops_per_s: float, bytes_per_s: float,
+                      launch_seconds: float = 0.0) -> dict[str, float]:
+    """Node name -> the roofline estimate of each compute node, max(FLOPs / `flops_per_s`,
+    bytes / `bytes_per_s`) per op, plus `launch_seconds` per op that is not a view (a kernel
+    launch: what a small op costs on a GPU whatever its size)."""
     fx_nodes = {n.name: n for n in joint.graph.nodes}
+    seconds = {}
     for node in graph.nodes:
         members = [fx_nodes[n] for n in node.fx_nodes if fx_nodes[n].target is not operator.getitem]
-        node.time = sum(max(node_flops(n) / flops_per_s, _bytes_moved(n) / bytes_per_s) for n in members)
+        seconds[node.name] = sum(
+            (0.0 if isinstance(n.target, torch._ops.OpOverload) and n.target.is_view else launch_seconds)
+            + max(node_flops(n) / flops_per_s, _bytes_moved(n) / bytes_per_s) for n in members)
+    return seconds
+
+
+def estimate_times(graph: RematGraph, joint: fx.GraphModule, device: str = "cpu") -> None:
+    """Fill `time` of every compute node with the roofline estimate."""
+    seconds = estimated_seconds(graph, joint, *_DEVICE_SPEED.get(device, _DEVICE_SPEED["cpu"]))
+    for node in graph.nodes:
+        node.time = seconds[node.name]
 
 
 class AllocatorEvents:
