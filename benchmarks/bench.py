@@ -156,26 +156,35 @@ def aot_eager_with_budget(knob: float) -> Callable[..., object]:
     return backend
 
 
-def round_robin(steps: list[Callable[[], object]], repeats: int) -> list[list[float]]:
+def round_robin(steps: list[Callable[[], object]], repeats: int,
+                sync: Callable[[], object] = lambda: None) -> list[list[float]]:
     """Each step's times, one per round, the steps run in turn after one warm-up each, the order
     rotated each round (a b c, b c a, c a b, ...): methods compared at a budget share the same
     moments of a noisy machine, and each runs after each other as often (on CPU the step before
-    shapes the heap a step finds; see rockplan.steady_cpu_heap)."""
+    shapes the heap a step finds; see rockplan.steady_cpu_heap).
+
+    `sync` waits for the device's queued work (`torch.cuda.synchronize` on CUDA), before a step's
+    clock starts and before it stops: a CUDA step returns once its kernels are queued, and
+    without it a step's kernels are charged to whichever later step waits on the device."""
     times: list[list[float]] = [[] for _ in steps]
     for i in range(repeats + 1):
         for k in (*range(i % len(steps), len(steps)), *range(i % len(steps))):
+            sync()
             start = time.perf_counter()
             steps[k]()
+            sync()
             if i:
                 times[k].append(time.perf_counter() - start)
     logging.info("medians (ms): %s", " ".join(f"{1e3 * statistics.median(t):.1f}" for t in times))
     return times
 
 
-def ratios_to_first(steps: list[Callable[[], object]], repeats: int) -> list[list[float]]:
+def ratios_to_first(steps: list[Callable[[], object]], repeats: int,
+                    sync: Callable[[], object] = lambda: None) -> list[list[float]]:
     """Per round, each step's time over the first's (eager's) in that round, measured round
-    robin: a ratio within one round cancels the machine's slower and faster spells."""
-    times = round_robin(steps, repeats)
+    robin (`sync` as there): a ratio within one round cancels the machine's slower and faster
+    spells."""
+    times = round_robin(steps, repeats, sync)
     return [[t / e for t, e in zip(ts, times[0])] for ts in times[1:]]
 
 
@@ -197,6 +206,7 @@ def bench_model(name: str, size: str, ratios: list[float | str], repeats: int, s
     the casts)."""
     model, args, kwargs, loss_fn = zoo.make(name, size)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def amp() -> contextlib.AbstractContextManager:
         return torch.autocast(device, dtype=autocast) if autocast else contextlib.nullcontext()
@@ -287,7 +297,7 @@ def bench_model(name: str, size: str, ratios: list[float | str], repeats: int, s
             planned.append((knob_row, fit[1]))
         # Every method that fits this budget, and eager, timed in turn.
         for (row, _), rounds in zip(planned, ratios_to_first([step(eager), *(step(m) for _, m in planned)],
-                                                             repeats)):
+                                                             repeats, sync)):
             row.rounds = rounds
         rows.append(knob_row)
         rows += fixed
