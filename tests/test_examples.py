@@ -100,3 +100,20 @@ def test_op_times_compares_every_planned_op_with_its_time_in_a_step() -> None:
         assert predicted > 0 and in_step > 0, line
     rows = [line.split() for line in done.stdout.splitlines() if line.startswith("  aten.mm.default")]
     assert len(rows) == 2 and all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows), done.stdout
+
+
+def test_bench_waits_for_the_device_around_each_timed_step() -> None:
+    """A CUDA step returns once its kernels are queued: round_robin waits for the device before
+    each step's clock starts and before it stops, or a step is charged with the one before's."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    events: list[str] = []
+    steps = [lambda name=name: events.append(name) for name in "ab"]
+    times = bench.round_robin(steps, 2, sync=lambda: events.append("sync"))
+    assert [len(t) for t in times] == [2, 2]
+    # One warm-up round, then two timed ones, the order rotated each round.
+    order = ["a", "b", "b", "a", "a", "b"]
+    assert events == [e for name in order for e in ("sync", name, "sync")]
