@@ -34,8 +34,9 @@ from rockplan import Rockmate, zoo  # noqa: E402
 from rockplan.planner import Plan  # noqa: E402
 from solvers import min_feasible_budget  # noqa: E402
 
-# A data-centre GPU's order of magnitude: what a step of thousands of small kernels showed on an
-# H200 (docs/benchmarks/models-cuda-h200.md), and the roofline `rkgraph.profile` uses for CUDA.
+# A data-centre GPU's order of magnitude: the host's cost of launching one kernel through
+# PyTorch (torch.profiler on an H100 counts about this much in cudaLaunchKernel alone, before
+# the dispatcher's and Python's share), and the roofline `rkgraph.profile` uses for CUDA.
 LAUNCH_SECONDS = 10e-6
 FLOPS = 4e14
 BANDWIDTH = 3e12

@@ -20,6 +20,7 @@ that the start from checkpointing every block, slower as it is, gets past.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -49,6 +50,12 @@ NAME = "peak_shaving"
 SHORTLIST = 4
 # Of the time limit, the part in which the starts are repaired to fit; the rest improves them.
 REPAIR_SHARE = 0.5
+# An improving start stops once this share of the time limit (at least PATIENCE_MIN seconds)
+# passes without a faster schedule: its gains come in runs (each undone drop, each rule-out that
+# pays), and after the last run the rest of the time limit, and the same again in each other
+# backward order the portfolio tries, found nothing on the Hugging Face models at tight budgets.
+PATIENCE_SHARE = 0.25
+PATIENCE_MIN = 1.0  # seconds
 Drop = tuple[str, int]  # (data node, index of the node whose stage discards it)
 
 
@@ -60,6 +67,24 @@ def _staged_computes(graph: RematGraph, ops: Sequence[Op]) -> Iterator[tuple[int
         if op.kind == "compute":
             yield j, op.name, stage
             stage = max(stage, graph.index[op.name] + 1)
+
+
+@dataclass
+class _Clock:
+    """When a search stops: at `deadline`, or once `patience` seconds pass without a faster
+    schedule (`gained` restarts the wait)."""
+    deadline: float
+    patience: float = math.inf
+    last_gain: float = -math.inf
+
+    def __post_init__(self) -> None:
+        self.gained()
+
+    def gained(self) -> None:
+        self.last_gain = time.perf_counter()
+
+    def over(self) -> bool:
+        return time.perf_counter() > min(self.deadline, self.last_gain + self.patience)
 
 
 @dataclass
@@ -252,20 +277,20 @@ class _Family:
         return sorted(found, key=lambda c: recompute_time(c[0]) / max(1.0, removed(c)))
 
 
-def _repair(family: _Family, trial: _Trial, deadline: float,
+def _repair(family: _Family, trial: _Trial, clock: _Clock,
             ruled_out: frozenset[Drop] = frozenset()) -> _Trial | None:
     """Add drops to `trial`'s, greedily, until the schedule fits; None if it cannot or time
     runs out. Each step measures candidates one by one, then takes the cheapest together with
     the next cheapest while their separate reductions of the excess add up to less than the
     excess: one build instead of one step each (large models need many small drops)."""
     while trial.excess > 0:
-        if time.perf_counter() > deadline:
+        if clock.over():
             return None
         at = max(range(len(trial.values)), key=trial.values.__getitem__)
         measured: list[tuple[float, Drop, int]] = []  # (time per byte of excess removed, drop, bytes)
         lowering: list[tuple[int, float, _Trial]] = []  # (excess, time, trial): lower peaks only
         for tried, drop in enumerate(family.candidates(trial.schedule, trial.values, at, trial.drops | ruled_out)):
-            if time.perf_counter() > deadline:
+            if clock.over():
                 return None
             if tried >= SHORTLIST and measured:
                 break  # the likeliest were built and one helps
@@ -300,7 +325,7 @@ def _repair(family: _Family, trial: _Trial, deadline: float,
     return trial
 
 
-def _undo_unneeded(family: _Family, trial: _Trial, deadline: float) -> _Trial:
+def _undo_unneeded(family: _Family, trial: _Trial, clock: _Clock) -> _Trial:
     improved = True
     while improved:
         improved = False
@@ -309,7 +334,7 @@ def _undo_unneeded(family: _Family, trial: _Trial, deadline: float) -> _Trial:
         # time runs out before every drop is tried, and DTR's seeds drop tiny values (scalars, index
         # ranges) whose recomputation costs as much as a matrix product's.
         for drop in sorted(trial.drops, key=lambda drop: (family.graph.data[drop[0]].size, drop)):
-            if time.perf_counter() > deadline:
+            if clock.over():
                 return trial
             if family.still_needed(trial, drop):
                 continue
@@ -317,6 +342,7 @@ def _undo_unneeded(family: _Family, trial: _Trial, deadline: float) -> _Trial:
             if (other is not None and other.excess == 0
                     and other.schedule.predicted_time < trial.schedule.predicted_time):
                 trial, improved = other, True
+                clock.gained()
     return trial
 
 
@@ -345,19 +371,20 @@ def _drops_of(family: _Family, schedule: Schedule) -> frozenset[Drop]:
     return frozenset(drops)
 
 
-def _improve(family: _Family, best: _Trial, deadline: float, good_enough: float) -> _Trial:
+def _improve(family: _Family, best: _Trial, clock: _Clock, good_enough: float) -> _Trial:
     """Ruin and recreate: rule out one drop, dearest first, repair, undo; keep what is faster."""
-    best = _undo_unneeded(family, best, deadline)
+    best = _undo_unneeded(family, best, clock)
     improved = True
-    while improved and best.schedule.predicted_time > good_enough and time.perf_counter() < deadline:
+    while improved and best.schedule.predicted_time > good_enough and not clock.over():
         improved = False
         for drop in _dearest_first(family, best):
-            repaired = _repair(family, family.build(best.drops - {drop}), deadline, ruled_out=frozenset({drop}))
+            repaired = _repair(family, family.build(best.drops - {drop}), clock, ruled_out=frozenset({drop}))
             if repaired is None:
                 continue
-            other = _undo_unneeded(family, repaired, deadline)
+            other = _undo_unneeded(family, repaired, clock)
             if other.schedule.predicted_time < best.schedule.predicted_time:
                 best, improved = other, True
+                clock.gained()
                 break
     return best
 
@@ -369,9 +396,10 @@ def solve_peak_shaving(graph: RematGraph, budget: int, time_limit: float = 2.0, 
 
     The search starts from no drops and from each of `seeds` (schedules to improve on; by
     default DTR's), read as drops: from DTR's schedule it is a local search that only keeps
-    what is faster, and it can end faster than the search from no drops. Raises
-    InfeasibleBudget when no start can be repaired to fit (the greedy repair meets a dead end,
-    or time runs out)."""
+    what is faster, and it can end faster than the search from no drops. A start whose
+    improvement stalls (no faster schedule in PATIENCE_SHARE of the time limit) is done, so the
+    search can end well before the limit. Raises InfeasibleBudget when no start can be
+    repaired to fit (the greedy repair meets a dead end, or time runs out)."""
     start = time.perf_counter()
     deadline = start + time_limit
     family = _Family(graph, budget)
@@ -383,8 +411,8 @@ def solve_peak_shaving(graph: RematGraph, budget: int, time_limit: float = 2.0, 
     built = [family.build(drops)
              for drops in dict.fromkeys((frozenset(), *(_drops_of(family, seed) for seed in seeds)))]
     starts = []
-    # Every start is repaired before any is improved (`_improve` undoes unneeded drops first,
-    # each start in its share of the time): undoing one start's drops takes a build per drop,
+    # Every start is repaired before any is improved (`_improve` undoes unneeded drops first):
+    # undoing one start's drops takes a build per drop,
     # hundreds on a large model, and left the other starts no time to be repaired at all.
     # The nearest to fitting first, each in the whole time until one fits (a seed a little over
     # the budget is repaired in a few builds, often within a hair of the floor); the farther
@@ -393,9 +421,10 @@ def solve_peak_shaving(graph: RematGraph, budget: int, time_limit: float = 2.0, 
     # as it is counts: on a graph of many ops of nearly equal cost (a GPU step bound by kernel
     # launches), the start from no drops given the whole time left such seeds unimproved.
     repairs_end = start + REPAIR_SHARE * time_limit
+    patience = max(PATIENCE_MIN, PATIENCE_SHARE * time_limit)
     one_fits = False
     for trial in sorted((t for t in built if t is not None), key=lambda t: t.excess):
-        repaired = _repair(family, trial, repairs_end if one_fits else deadline)
+        repaired = _repair(family, trial, _Clock(repairs_end if one_fits else deadline))
         if repaired is not None:
             starts.append(repaired)
             one_fits = True
@@ -403,21 +432,15 @@ def solve_peak_shaving(graph: RematGraph, budget: int, time_limit: float = 2.0, 
         raise InfeasibleBudget(f"peak shaving found no schedule within {budget} bytes ({format_bytes(budget)})")
     pending = sorted({trial.drops: trial for trial in starts}.values(), key=lambda trial: trial.schedule.predicted_time)
     best = pending[0]
-    while pending and best.schedule.predicted_time > good_enough:
-        # Each start gets an equal share of the time left; those cut short resume (the
-        # builds are cached) in the time that the starts which converged sooner left over.
-        cut = []
-        for k, trial in enumerate(pending):
-            now = time.perf_counter()
-            share_end = now + (deadline - now) / (len(pending) - k)
-            improved = _improve(family, trial, share_end, good_enough)
-            if improved.schedule.predicted_time < best.schedule.predicted_time:
-                best = improved
-            if time.perf_counter() >= share_end:
-                cut.append(improved)
-        if time.perf_counter() >= deadline:
+    # The starts fastest first, each improved until it stalls or the time runs out, not in
+    # equal shares of the time: on a large model with ops of nearly equal cost a share is
+    # shorter than one undo pass over a start's drops (a build per drop), and none improves.
+    for trial in pending:
+        if best.schedule.predicted_time <= good_enough or time.perf_counter() >= deadline:
             break
-        pending = cut
+        improved = _improve(family, trial, _Clock(deadline, patience), good_enough)
+        if improved.schedule.predicted_time < best.schedule.predicted_time:
+            best = improved
     schedule = best.schedule
     simulate(graph, schedule, budget)  # the referee, on the one schedule returned
     schedule.extra = {"drops": len(best.drops)}

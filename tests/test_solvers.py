@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -622,6 +623,20 @@ def test_peak_shaving_improves_a_seed_that_fits_before_the_start_from_no_drops_r
     assert seed.predicted_peak <= budget
     s = _shave_in_builds(monkeypatch, graph, budget, 20, [seed])
     assert s.predicted_time == time_lower_bound(graph, budget)[0] < seed.predicted_time
+
+
+def test_peak_shaving_stops_improving_once_no_faster_schedule_comes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An improving start that finds nothing faster for PATIENCE_SHARE of the time limit is done:
+    on a chain of 60 equal ops, within a limit of 3,000 builds, the search ends in under 2,000
+    with the schedule that searching the whole limit finds (solve_time counts builds here)."""
+    graph = chain_graph(60)
+    budget = budget_at(graph, 0.15)
+    seeds = [solve_dtr(graph, budget), solve_sqrt_segments(graph, budget)]
+    patient = _shave_in_builds(monkeypatch, graph, budget, 3000, seeds)
+    monkeypatch.setattr(peak_shaving, "PATIENCE_SHARE", math.inf)
+    exhaustive = _shave_in_builds(monkeypatch, graph, budget, 3000, seeds)
+    assert patient.predicted_time == exhaustive.predicted_time
+    assert patient.solve_time < 2000 <= 3000 <= exhaustive.solve_time
 
 
 def test_peak_shaving_undoes_the_drops_of_small_values_first(monkeypatch: pytest.MonkeyPatch) -> None:
