@@ -54,28 +54,33 @@ def linear_cross_entropy(
     weight = valid.to(x.dtype)
     if reduction == _MEAN:
         weight = weight / total_weight
+    weight = weight.unsqueeze(1)
+    negative_weight = -weight
     safe_target = torch.where(valid, target, 0).unsqueeze(1)
-    loss = torch.zeros((), dtype=x.dtype, device=x.device)
-    grad_x = torch.zeros_like(x)
+    count = target.numel()
+    # Each chunk's per-row terms are written into these, and the loss summed once after the
+    # loop: a chunk costs its products and the ops on its logits, no ops on scalars.
+    picked, row_max, row_sum = (x.new_empty(count, 1) for _ in range(3))
+    grad_x = torch.zeros_like(x) if rows is not None else torch.empty_like(x)
     grad_wt_t = torch.zeros(wt.shape[1], wt.shape[0], dtype=x.dtype, device=x.device)
-    for start in range(0, target.numel(), chunk_rows):
-        stop = min(start + chunk_rows, target.numel())
+    for start in range(0, count, chunk_rows):
+        stop = min(start + chunk_rows, count)
         x_rows = x[start:stop] if rows is None else x.index_select(0, rows[start:stop])
-        w = weight[start:stop].unsqueeze(1)
         t = safe_target[start:stop]
         chunk = x_rows @ wt  # the logits of these rows; reused in place for their gradient
-        picked = chunk.gather(1, t)
-        row_max = chunk.amax(1, keepdim=True)
-        chunk.sub_(row_max).exp_()
-        row_sum = chunk.sum(1, keepdim=True)
-        loss += ((row_max + row_sum.log() - picked) * w).sum()
-        chunk.mul_(w / row_sum).scatter_add_(1, t, -w)  # softmax - one-hot, weighted
-        if rows is None:
-            grad_x[start:stop] = chunk @ wt.t()
+        torch.gather(chunk, 1, t, out=picked[start:stop])
+        torch.amax(chunk, 1, keepdim=True, out=row_max[start:stop])
+        chunk.sub_(row_max[start:stop]).exp_()
+        torch.sum(chunk, 1, keepdim=True, out=row_sum[start:stop])
+        chunk.mul_(weight[start:stop] / row_sum[start:stop]).scatter_add_(1, t, negative_weight[start:stop])
+        if rows is None:  # softmax - one-hot, weighted, times the head
+            torch.mm(chunk, wt.t(), out=grad_x[start:stop])
         else:
             grad_x.index_add_(0, rows[start:stop], chunk @ wt.t())
         grad_wt_t.addmm_(chunk.t(), x_rows)
         del chunk  # else the next chunk is made while this one is still alive: two at once
+    # Each row's loss, max + log(sum(exp(logits - max))) - picked, weighted, summed.
+    loss = row_sum.log_().add_(row_max).sub_(picked).mul_(weight).sum()
     return loss, total_weight, grad_x, grad_wt_t
 
 
@@ -102,7 +107,8 @@ def scratch_bytes(node: fx.Node) -> int:
     chunk = min(node.args[6], count)
     width, classes = wt.shape
     copied_rows = chunk * width * size if rows is not None else 0  # index_select copies them
-    per_row = count * (1 + 2 * size + 8)  # valid mask, weights, targets made safe to gather
+    # valid mask, weights and their negatives, targets made safe to gather, three per-row terms
+    per_row = count * (1 + 5 * size + 8)
     return chunk * (classes + width) * size + copied_rows + per_row + 16 * chunk * size
 
 
