@@ -317,7 +317,6 @@ def _head_backward(grad_logits: fx.Node, x: fx.Node, wt: fx.Node) -> tuple[fx.No
     return grad_x, grad_wt
 
 
-
 def _chunk_rows_choices(node: fx.Node) -> list[int]:
     """Rows per chunk `node` may run with, largest first: all its rows in one chunk, then
     powers of two times CHUNK_ROWS down to its current rows."""
