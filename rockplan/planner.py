@@ -33,6 +33,7 @@ from rkgraph import build_graph, profile_graph, split_into_blocks
 from rkgraph.capture import JointGraph
 from rkgraph.graph import RematGraph
 from rkgraph.rewrites import lean_variant
+from rkgraph.rewrites.linear_cross_entropy import fewest_chunks
 from rkgraph.units import format_bytes
 from rockplan import progress
 from rockplan.budget import parse_budget
@@ -130,6 +131,12 @@ def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = Pl
     budget = parse_budget(budget, reference.predicted_peak)
     log.info("planning %s: %d nodes, budget %s (store-all peak %s)", graph.name, len(graph.nodes),
              format_bytes(budget), format_bytes(reference.predicted_peak))
+    if reference.predicted_peak <= budget and fewest_chunks(
+            joint.module, graph, lambda: solve_store_all(graph).predicted_peak <= budget):
+        # Nothing is recomputed: the fused head's memory saving is needed only as far as the
+        # budget asks (decided from the graph and the budget alone, so a plan file exported at a
+        # budget matches its graph when loaded at it).
+        joint.module.recompile()
     chosen: tuple[JointGraph, RematGraph, Schedule] | None = None
     failure: Exception | None = None
     considered: dict[str, float | str] = {}

@@ -29,13 +29,14 @@ def log_softmax_nll_backward(
     """The gradient of `nll_loss(log_probs, target, reduction=..., ignore_index=...)` with respect
     to the logits `log_probs` was the log-softmax of (over dim 1), for 2-D `log_probs`."""
     valid = target != ignore_index
-    # What nll_loss_backward writes at each row's target: -grad (per row for "none"), divided
-    # by the total weight for "mean"; zero on ignored rows. It is also the row's sum.
-    at_target = -grad / total_weight if reduction == _MEAN else -grad
-    at_target = torch.where(valid, at_target.to(log_probs.dtype).expand(target.shape), 0)
+    # Minus what nll_loss_backward writes at each row's target: grad (per row for "none"),
+    # divided by the total weight for "mean"; zero on ignored rows (whatever the division
+    # gives: `where`, not a product, which would turn an infinity into NaN).
+    scale = grad / total_weight if reduction == _MEAN else grad
+    scale = torch.where(valid, scale.to(log_probs.dtype), 0).unsqueeze(1)
     result = torch.exp(log_probs)
-    result.mul_(at_target.neg().unsqueeze(1))
-    result.scatter_add_(1, torch.where(valid, target, 0).unsqueeze(1), at_target.unsqueeze(1))
+    result.mul_(scale)
+    result.scatter_add_(1, (target * valid).unsqueeze(1), scale.neg())  # an ignored row adds 0 at class 0
     return result
 
 

@@ -5,23 +5,31 @@ its rows (a next-token loss drops each sequence's last position: a slice and a c
 two logits-sized tensors in the forward (the logits and their log-softmax, or the slice's
 copy) and two in the backward (the log-softmax and the logits' gradient): with a large
 vocabulary, much of a tight budget, whatever is recomputed. `linear_cross_entropy`
-computes, 256 rows at a time, the logits, the rows' loss and the gradients of `x` and `wt`
-(for a loss gradient of one), in the forward; the backward scales the two by the loss's
-actual gradient. That is Liger-Kernel's fused linear cross-entropy: the same products as the
-unfused head's forward and backward, one chunk of logits alive at a time, and no logits saved
+computes, a chunk of rows at a time (CHUNK_ROWS, or larger where the budget leaves room:
+`fewest_chunks`), the logits, the rows' loss and the gradients of `x` and `wt` (for a loss
+gradient of one), in the forward; the backward scales the two by the loss's actual gradient.
+That is Liger-Kernel's fused linear cross-entropy: the same products as the unfused head's
+forward and backward, one chunk of logits alive at a time, and no logits saved
 for the backward.
 
 Only scalar losses (mean or sum), no class weights, float32/float64 logits: the backward's
 scaling needs one number, and reduced precision would round the chunks' log-softmax otherwise
 than eager. Only heads no wider than the rows the loss reads (E <= rows): the unit gradient of
 the head's weight and its scaled copy, two [V, E] tensors, must not outweigh two logits.
-Values equal the unfused ops' up to rounding (the loss is summed by chunks).
+Values equal the unfused ops' up to rounding (the gradient of `wt` is summed by chunks).
+
+Each chunk is a dozen kernels (its products, and the softmax's ops on its logits; per-row terms
+are written into buffers and the loss summed once), and a GPU step bound by the host's op
+calls pays for each launch: a loss reading all but a few rows of the head (a next-token loss)
+has all rows computed, so that a chunk is a slice of `x` and of its gradient, not rows copied
+in and their gradients summed back.
 """
 
 from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 
 import torch
 from torch import fx
@@ -29,14 +37,16 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils.flop_counter import register_flop_formula
 
 from rkgraph.build import is_view
+from rkgraph.graph import RematGraph
 from rkgraph.rewrites.cross_entropy import _MEAN, _SUM
 from rkgraph.rewrites.fx_helpers import RESHAPES, call, detach_chains, erase_unused, only_user, positions
 
 aten = torch.ops.aten
 
-# Rows per chunk. On CPU the gradient of `wt` accumulates one product per chunk, and with
-# fewer rows its reduction dimension gets short and the op slower than the unfused ones; more
-# rows hold more logits at once.
+# Rows per chunk as the rewrite writes the op. On CPU the gradient of `wt` accumulates one
+# product per chunk, and with fewer rows its reduction dimension gets short and the op slower
+# than the unfused ones; more rows hold more logits at once. Where the budget leaves room,
+# `fewest_chunks` gives the op larger chunks.
 CHUNK_ROWS = 256
 
 
@@ -49,33 +59,44 @@ def linear_cross_entropy(
     `logits = x @ wt` (`rows`: the rows of `logits` the loss reads, in order; None: all),
     with the loss's total weight, the gradient of `x` and the transposed gradient of `wt`
     (the graph's `mm(t(grad_logits), x)`, [V, E]), both for a loss gradient of one."""
+    if rows is not None and _all_rows_cheaper(rows.numel(), x.shape[0]):
+        # Every row, those the loss does not read given no target: each chunk is then a slice
+        # of `x` and of its gradient, with no copy of its rows in nor sum of their gradient out.
+        target = torch.full((x.shape[0],), ignore_index, dtype=target.dtype, device=target.device).index_copy_(
+            0, rows, target)
+        rows = None
     valid = target != ignore_index
-    total_weight = valid.sum().to(x.dtype)
     weight = valid.to(x.dtype)
+    total_weight = weight.sum()  # a count of ones: exact in any float dtype up to 2**24 rows
     if reduction == _MEAN:
         weight = weight / total_weight
-    safe_target = torch.where(valid, target, 0).unsqueeze(1)
-    loss = torch.zeros((), dtype=x.dtype, device=x.device)
-    grad_x = torch.zeros_like(x)
+    weight = weight.unsqueeze(1)
+    negative_weight = -weight
+    safe_target = (target * valid).unsqueeze(1)  # an ignored row gathers class 0, weighted 0
+    count = target.numel()
+    # Each chunk's per-row terms are written into these, and the loss summed once after the
+    # loop: a chunk costs its products and the ops on its logits, no ops on scalars.
+    picked, row_max, row_sum = (x.new_empty(count, 1) for _ in range(3))
+    grad_x = torch.zeros_like(x) if rows is not None else torch.empty_like(x)
     grad_wt_t = torch.zeros(wt.shape[1], wt.shape[0], dtype=x.dtype, device=x.device)
-    for start in range(0, target.numel(), chunk_rows):
-        stop = min(start + chunk_rows, target.numel())
+    for start in range(0, count, chunk_rows):
+        stop = min(start + chunk_rows, count)
         x_rows = x[start:stop] if rows is None else x.index_select(0, rows[start:stop])
-        w = weight[start:stop].unsqueeze(1)
         t = safe_target[start:stop]
         chunk = x_rows @ wt  # the logits of these rows; reused in place for their gradient
-        picked = chunk.gather(1, t)
-        row_max = chunk.amax(1, keepdim=True)
-        chunk.sub_(row_max).exp_()
-        row_sum = chunk.sum(1, keepdim=True)
-        loss += ((row_max + row_sum.log() - picked) * w).sum()
-        chunk.mul_(w / row_sum).scatter_add_(1, t, -w)  # softmax - one-hot, weighted
-        if rows is None:
-            grad_x[start:stop] = chunk @ wt.t()
+        torch.gather(chunk, 1, t, out=picked[start:stop])
+        torch.amax(chunk, 1, keepdim=True, out=row_max[start:stop])
+        chunk.sub_(row_max[start:stop]).exp_()
+        torch.sum(chunk, 1, keepdim=True, out=row_sum[start:stop])
+        chunk.mul_(weight[start:stop] / row_sum[start:stop]).scatter_add_(1, t, negative_weight[start:stop])
+        if rows is None:  # softmax - one-hot, weighted, times the head
+            torch.mm(chunk, wt.t(), out=grad_x[start:stop])
         else:
             grad_x.index_add_(0, rows[start:stop], chunk @ wt.t())
         grad_wt_t.addmm_(chunk.t(), x_rows)
         del chunk  # else the next chunk is made while this one is still alive: two at once
+    # Each row's loss, max + log(sum(exp(logits - max))) - picked, weighted, summed.
+    loss = row_sum.log_().add_(row_max).sub_(picked).mul_(weight).sum()
     return loss, total_weight, grad_x, grad_wt_t
 
 
@@ -93,16 +114,36 @@ def _flops(x_shape, wt_shape, rows_shape, target_shape, *_args, **_kwargs) -> in
     return 3 * 2 * math.prod(target_shape) * wt_shape[0] * wt_shape[1]
 
 
+def _all_rows_cheaper(read: int, rows: int) -> bool:
+    """Whether the op computes the logits of all `rows` rows of `x` when the loss reads `read`
+    of them: where those it does not read are few (a next-token loss leaves out one position
+    a sequence), their products cost less than a chunk's two ops to gather and scatter rows."""
+    return 16 * (rows - read) <= read
+
+
+def _computed_rows(node: fx.Node) -> int:
+    """How many rows of logits a `linear_cross_entropy` fx node computes."""
+    x, rows, target = (node.args[i].meta["val"] if isinstance(node.args[i], fx.Node) else None for i in (0, 2, 3))
+    if rows is not None and _all_rows_cheaper(target.numel(), x.shape[0]):
+        return x.shape[0]
+    return target.numel()
+
+
 def scratch_bytes(node: fx.Node) -> int:
     """What a `linear_cross_entropy` node allocates and frees inside (a chunk of logits, its rows
     of `x` and their product with `wt`, per-row vectors): its scratch, known from the shapes,
     for profiles that do not measure it; a bound on what the allocator sees."""
     x, wt, rows, target = (a.meta["val"] if isinstance(a, fx.Node) else a for a in node.args[:4])
-    count, size = target.numel(), x.element_size()
+    size, (width, classes) = x.element_size(), wt.shape
+    count = _computed_rows(node)
     chunk = min(node.args[6], count)
-    width, classes = wt.shape
-    copied_rows = chunk * width * size if rows is not None else 0  # index_select copies them
-    per_row = count * (1 + 2 * size + 8)  # valid mask, weights, targets made safe to gather
+    copied_rows = 0
+    if rows is not None and count == x.shape[0]:
+        copied_rows = count * target.element_size()  # the targets of every row
+    elif rows is not None:
+        copied_rows = chunk * width * size  # index_select copies a chunk's rows
+    # valid mask, weights and their negatives, targets made safe to gather, three per-row terms
+    per_row = count * (1 + 5 * size + 8)
     return chunk * (classes + width) * size + copied_rows + per_row + 16 * chunk * size
 
 
@@ -275,3 +316,45 @@ def _head_backward(grad_logits: fx.Node, x: fx.Node, wt: fx.Node) -> tuple[fx.No
         return None, None
     return grad_x, grad_wt
 
+
+def _chunk_rows_choices(node: fx.Node) -> list[int]:
+    """Rows per chunk `node` may run with, largest first: all its rows in one chunk, then
+    powers of two times CHUNK_ROWS down to its current rows."""
+    count, current = _computed_rows(node), node.args[6]
+    choices = [count] if count > current else []
+    rows = CHUNK_ROWS
+    while rows * 2 < count:
+        rows *= 2
+    while rows > current:
+        choices.append(rows)
+        rows //= 2
+    return choices
+
+
+def fewest_chunks(module: fx.GraphModule, graph: RematGraph, fits: Callable[[], bool]) -> int:
+    """Give each `linear_cross_entropy` of `module` (the joint graph `graph` was built from)
+    the largest chunks with which `fits()` still holds, `graph`'s workspaces updated to match
+    (the caller recompiles `module` when any changed); returns how many changed.
+
+    Each chunk is a dozen kernels, and a GPU step bound by the host's op calls pays for each:
+    a head over thousands of rows runs hundreds of them. Small chunks are what the rewrite
+    holds less memory for; where the budget does not need that saving (`fits`, the caller's
+    check of the step against its budget, reading the workspaces), they only cost launches.
+    Larger chunks compute the same values, up to rounding as any chunks do (the gradient of
+    `wt` is summed over other groups of rows, and a product's kernel may depend on its rows)."""
+    nodes = {name: node for node in graph.nodes for name in node.fx_nodes}
+    changed = 0
+    for fx_node in module.graph.find_nodes(op="call_function", target=torch.ops.rkgraph.linear_cross_entropy.default):
+        compute = nodes[fx_node.name]
+        current = scratch_bytes(fx_node)
+        for rows in _chunk_rows_choices(fx_node):
+            old_rows = fx_node.args[6]
+            fx_node.update_arg(6, rows)
+            grown = scratch_bytes(fx_node) - current
+            compute.workspace += grown
+            if fits():
+                changed += 1
+                break
+            compute.workspace -= grown
+            fx_node.update_arg(6, old_rows)
+    return changed
