@@ -18,6 +18,7 @@ import functools
 import gc
 import inspect
 import logging
+import operator
 import sys
 import traceback
 import warnings
@@ -76,6 +77,44 @@ class JointGraph:
 
     def __post_init__(self) -> None:
         drop_profiler_ranges(self.module)
+        float_batch_norm_statistics(self.module)
+
+
+# BatchNorm's ops whose outputs 1 and 2 are the batch's statistics (mean and inverse standard
+# deviation, or their running counterparts in evaluation).
+_BATCH_NORMS = frozenset({
+    torch.ops.aten._native_batch_norm_legit_functional.default,
+    torch.ops.aten._native_batch_norm_legit.default,
+    torch.ops.aten._native_batch_norm_legit_no_training.default,
+    torch.ops.aten.native_batch_norm.default,
+})
+_HALF_PRECISIONS = (torch.bfloat16, torch.float16)
+
+
+def float_batch_norm_statistics(module: fx.GraphModule) -> int:
+    """Give BatchNorm's statistics outputs the dtype its kernels return: on a half-precision
+    input ATen's CPU and CUDA kernels compute them in float32, while PyTorch's meta functions,
+    which the trace records, give them the input's dtype. Node sizes come from those records:
+    without this a plan counted half their bytes, and a step planned to its budget under
+    autocast measured over it. Returns how many ops it corrected."""
+    corrected = 0
+    for node in module.graph.nodes:
+        val = node.meta.get("val")
+        if (node.op != "call_function" or node.target not in _BATCH_NORMS or not isinstance(val, (tuple, list))
+                or not isinstance(val[0], torch.Tensor) or val[0].dtype not in _HALF_PRECISIONS):
+            continue
+        fixed = list(val)
+        for i in (1, 2):
+            if isinstance(fixed[i], torch.Tensor) and fixed[i].dtype in _HALF_PRECISIONS:
+                fixed[i] = torch.empty_like(fixed[i], dtype=torch.float32)
+        if all(a is b for a, b in zip(fixed, val)):
+            continue
+        node.meta["val"] = type(val)(fixed)
+        for user in node.users:
+            if user.target is operator.getitem and user.args[1] in (1, 2):
+                user.meta["val"] = fixed[user.args[1]]
+        corrected += 1
+    return corrected
 
 
 # `torch.profiler.record_function` (DDP's forward opens one) traces as an op returning a handle

@@ -15,6 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+import rkgraph
 from rockplan import Rockmate, zoo
 from rockplan.memory import measure_step
 from rockplan.module import autocast_state
@@ -229,3 +230,25 @@ def test_cuda_autocast_matches_eager_within_the_budget(name: str, dtype: torch.d
     # run in other orders: a float16 convolution's weight gradient can be several roundings apart.
     _assert_close_to_eager(planned.result, model, _step(eager, args, kwargs, precision), eager, dtype, roundings=16)
     assert planned.peak <= rk.budget, f"measured {planned.peak} B over budget {rk.budget} B"
+
+
+def test_batch_norm_statistics_are_sized_as_its_kernels_make_them() -> None:
+    """On a half-precision input ATen's BatchNorm computes the batch's mean and inverse standard
+    deviation in float32, while the meta functions the trace records give them the input's
+    dtype: the captured graph holds the kernels' dtype, so plans count their real bytes."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
+    x = torch.randn(2, 3, 8, 8)
+    with _autocast(torch.bfloat16)():
+        joint = rkgraph.capture_joint(model, (x,), {})
+    norms = [n for n in joint.module.graph.nodes
+             if n.target is torch.ops.aten._native_batch_norm_legit_functional.default]
+    assert len(norms) == 1
+    (norm,) = norms
+    real = torch.ops.aten._native_batch_norm_legit_functional.default(
+        torch.randn(2, 8, 6, 6, dtype=torch.bfloat16), torch.ones(8), torch.zeros(8), torch.zeros(8), torch.ones(8),
+        True, 0.1, 1e-5)
+    assert norm.meta["val"][0].dtype == torch.bfloat16
+    assert [v.dtype for v in norm.meta["val"][1:3]] == [real[1].dtype, real[2].dtype] == [torch.float32] * 2
+    for item in norm.users:
+        if item.args[1] in (1, 2):
+            assert item.meta["val"].dtype == torch.float32
