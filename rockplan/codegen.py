@@ -42,8 +42,11 @@ class CodegenError(RuntimeError):
 
 
 class _Emitter:
-    def __init__(self, joint: fx.GraphModule, graph: RematGraph, record: Collection[str] = ()) -> None:
+    def __init__(self, joint: fx.GraphModule, graph: RematGraph, record: Collection[str] = (),
+                 in_place: Collection[str] = ()) -> None:
         self.fx_nodes = {n.name: n for n in joint.graph.nodes}
+        self.in_place = set(in_place)  # fx nodes to run as their in-place op, at their first run
+        self.written: set[str] = set()  # getitems of an in-place op's updates, set to their buffers
         self.remat = graph
         self.graph = fx.Graph()
         self.env: dict[str, fx.Node] = {}
@@ -82,10 +85,32 @@ class _Emitter:
         node = self.remat.node(name)
         for fx_name in node.fx_nodes:
             original = self.fx_nodes[fx_name]
-            if node.rng and is_random(original):
+            if fx_name in self.written:
+                self.written.discard(fx_name)
+                continue  # an update the in-place op wrote into its input: set with the op
+            if fx_name in self.in_place:
+                self.in_place.discard(fx_name)
+                self._in_place(original)
+            elif node.rng and is_random(original):
                 self.env[fx_name] = self._random(original)
             else:
                 self.env[fx_name] = self.graph.node_copy(original, self.value)
+
+    def _in_place(self, original: fx.Node) -> None:
+        """`original` (an update of a buffer, `in_place_updates`) as the in-place op writing the
+        buffer: the buffer's node stands for the update, and the op's other outputs are its own."""
+        args, kwargs = fx.node.map_arg((original.args, original.kwargs), self.value)
+        if original.target is aten._native_batch_norm_legit_functional.default:
+            node = self.graph.call_function(aten._native_batch_norm_legit.default, args, kwargs)
+            node.meta = {**original.meta, "val": original.meta["val"][:3]}
+            for item in original.users:
+                if item.args[1] >= 3:  # the new running mean and variance: written into the buffers
+                    self.env[item.name] = args[item.args[1]]
+                    self.written.add(item.name)
+        else:
+            node = self.graph.call_function(_IN_PLACE[original.target], args, kwargs)
+            node.meta = dict(original.meta)
+        self.env[original.name] = node
 
     def _random(self, original: fx.Node) -> fx.Node:
         """First run: record the generator state, then draw as eager does. Later runs: replay."""
@@ -157,7 +182,52 @@ def _rerun_random_ops(graph: RematGraph, ops: list[Any], fx_nodes: dict[str, fx.
     return [n for name, count in runs.items() if count > 1 for n in graph.node(name).fx_nodes if is_random(fx_nodes[n])]
 
 
-def generate(joint: JointGraph, graph: RematGraph, schedule: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+# Out-of-place ops a step updates a buffer with, and their in-place forms (writing their first
+# argument); BatchNorm's functional op is handled apart (its updates are two of its outputs).
+_IN_PLACE = {aten.add.Tensor: aten.add_.Tensor}
+
+
+def in_place_updates(joint: JointGraph, graph: RematGraph, schedule: Any, saved: Collection[str]) -> list[str]:
+    """The fx nodes of `joint` that update a mutated buffer (BatchNorm's running statistics and
+    batch count) and can write it in place, as eager does: each buffer they update is read by
+    them alone and not saved for the backward, the update is read by the step's outputs alone
+    (AOTAutograd copies it into the buffer after the forward), and the schedule runs them once.
+
+    Run out of place, each update is a new tensor that AOTAutograd's epilogue then copies into
+    the buffer: a kernel per buffer that eager does not run (three per BatchNorm), each a
+    launch a GPU step bound by the host's op calls pays for. In place, the forward returns the
+    buffer itself as its update, and a copy onto itself runs no kernel."""
+    runs = Counter(op.name for op in schedule.ops if op.kind == "compute")
+    group = {fx_name: node.name for node in graph.nodes for fx_name in node.fx_nodes}
+    nodes = joint.module.graph.nodes
+    output = next(n for n in reversed(nodes) if n.op == "output")
+
+    def only_updates(buffer: fx.Node, update: fx.Node, reader: fx.Node) -> bool:
+        return (buffer.op == "placeholder" and buffer.name in joint.mutated and buffer.name not in saved
+                and list(buffer.users) == [reader] and list(update.users) == [output])
+
+    found = []
+    for node in nodes:
+        if node.op != "call_function" or runs[group.get(node.name, "")] != 1:
+            continue
+        if node.target is aten._native_batch_norm_legit_functional.default:
+            updates = {item.args[1]: item for item in node.users if item.args[1] >= 3}
+            if len(updates) == 2 and all(only_updates(node.args[i], updates[i], node) for i in (3, 4)):
+                found.append(node.name)
+        elif node.target in _IN_PLACE:
+            value, buffer = node.meta.get("val"), node.args[0]
+            original = buffer.meta.get("val") if isinstance(buffer, fx.Node) else None
+            if (isinstance(value, torch.Tensor) and isinstance(original, torch.Tensor)
+                    and (value.shape, value.dtype) == (original.shape, original.dtype)
+                    and only_updates(buffer, node, node)):
+                found.append(node.name)
+    return found
+
+
+def generate(joint: JointGraph, graph: RematGraph, schedule: Any,
+             in_place: bool = False) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """The forward and backward modules of `schedule`; with `in_place`, buffers updated as eager
+    updates them (`in_place_updates`: for a backend that runs the modules as written)."""
     gm = joint.module
     placeholders = gm.graph.find_nodes(op="placeholder")
     outputs = list(gm.graph.find_nodes(op="output")[0].args[0])
@@ -168,7 +238,8 @@ def generate(joint: JointGraph, graph: RematGraph, schedule: Any) -> tuple[fx.Gr
     saved = [d for d in saved_for_backward(graph, backward_ops) if d not in constants]
 
     fx_nodes = {n.name: n for n in gm.graph.nodes}
-    fw = _Emitter(gm, graph, record=set(_rerun_random_ops(graph, schedule.ops, fx_nodes)))
+    fw = _Emitter(gm, graph, record=set(_rerun_random_ops(graph, schedule.ops, fx_nodes)),
+                  in_place=in_place_updates(joint, graph, schedule, saved) if in_place else ())
     for p in placeholders:
         if not is_tangent(p):
             fw.placeholder(p.name)

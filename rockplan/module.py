@@ -332,7 +332,8 @@ class Rockmate(nn.Module):
             if self._sharded is not None:
                 planned[0] = self._sharded.agree(planned[0], joint, budget, options, real)
             progress.stage("generate")
-            modules = generate(planned[0].joint, planned[0].graph, planned[0].schedule)
+            modules = generate(planned[0].joint, planned[0].graph, planned[0].schedule,
+                               in_place=self.backend == "eager")
             return modules if self._sharded is None else self._sharded.gather_where_read(*modules, planned[0].joint)
 
         if self.backend == "inductor":

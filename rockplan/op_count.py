@@ -59,7 +59,7 @@ class OpCounter(TorchDispatchMode):
 
 def _same_data(a: object, b: object) -> bool:
     """Whether tensors `a` and `b` are the same elements of the same memory: ATen's copy of one
-    onto the other returns at once, no kernel."""
+    onto the other returns at once (AOTAutograd's copy of a buffer updated in place into itself)."""
     return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.data_ptr() == b.data_ptr()
             and (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype))
 

@@ -457,8 +457,9 @@ def test_table_names_each_rewrite_once_with_its_ops() -> None:
     assert len({r.name for r in table}) == len(table)
     assert sorted(str(op) for r in table for op in r.ops) == sorted(_OUR_OPS)
     assert {r.applies for r in table} == {"always", "lean"}
-    for r in table:
-        assert r.ops and set(r.scratch) <= set(r.ops) and r.description and "\n" not in r.description
+    for r in table:  # only a rewrite of arguments (BatchNorm's backward) puts no op of ours in graphs
+        assert (r.ops or r.applies == "always") and set(r.scratch) <= set(r.ops)
+        assert r.description and "\n" not in r.description
     # The lean ones run after the ones they read (the attention reads the dropout's split).
     kinds = [r.applies for r in table]
     assert kinds == sorted(kinds)  # "always" < "lean"

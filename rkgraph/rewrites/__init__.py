@@ -28,7 +28,15 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from rkgraph.capture import JointGraph
 from rkgraph.graph import RematGraph
-from rkgraph.rewrites import attention, cross_entropy, dropout, linear_cross_entropy, mask_packing, mm_gelu
+from rkgraph.rewrites import (
+    attention,
+    batch_norm,
+    cross_entropy,
+    dropout,
+    linear_cross_entropy,
+    mask_packing,
+    mm_gelu,
+)
 
 __all__ = ["REWRITES", "Rewrite", "apply_rewrites", "known_scratch", "lean_rewrites", "lean_variant"]
 
@@ -75,6 +83,10 @@ REWRITES: tuple[Rewrite, ...] = (
         "mm_gelu_backward", "always", mm_gelu.fuse_mm_gelu_backward,
         (_rk.mm_gelu_backward.default,), {},
         "GELU's backward fused: written into the product that makes its incoming gradient",
+    ),
+    Rewrite(
+        "batch_norm_backward_stats", "always", batch_norm.drop_unread_running_stats, (), {},
+        "BatchNorm's backward given no running statistics, which in training it does not read",
     ),
     Rewrite(
         "attention", "lean", attention.fuse_attention,
