@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from bench_page import write_page  # noqa: E402  (beside this script, on its path)
 
 from rockplan import Rockmate, codegen, zoo  # noqa: E402
-from rockplan.op_count import OpCounter, count_step, launches_kernel  # noqa: E402
+from rockplan.op_count import OpCounter, count_step, kernel_ops, launches_kernel  # noqa: E402
 
 
 class _ByCustomOp(OpCounter):
@@ -66,7 +66,7 @@ def rows(name: str, size: str, budgets: list[float]) -> list[str]:
     """One table row per budget for zoo model `name` at `size`."""
     model, args, kwargs, loss = zoo.make(name, size)
     step = zoo.WithLoss(model, loss)
-    eager = Counter({op: n for op, n in count_step(_step(step, args, kwargs)).items() if launches_kernel(op)})
+    eager = kernel_ops(count_step(_step(step, args, kwargs)))
     out = []
     for budget in budgets:
         try:
@@ -75,11 +75,8 @@ def rows(name: str, size: str, budgets: list[float]) -> list[str]:
             out.append(f"| {name} | {size} | {budget} | {type(e).__name__} | {sum(eager.values())} | | | | |")
             print(out[-1], flush=True)
             continue
-        run = _step(planned, args, kwargs)
-        run()
         counter = _ByCustomOp()
-        with counter:
-            run()
+        count_step(_step(planned, args, kwargs), counter)
         total = sum(counter.outside.values()) + sum(counter.by_custom_op.values())
         inside = ", ".join(f"{op} {n}" for op, n in counter.by_custom_op.most_common())
         difference = {op: counter.outside[op] - eager[op] for op in set(counter.outside) | set(eager)}

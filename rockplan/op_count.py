@@ -80,12 +80,12 @@ def kernel_ops(ops: Counter[str]) -> Counter[str]:
     return Counter({name: n for name, n in ops.items() if launches_kernel(name)})
 
 
-def count_step(step: Callable[[], Any]) -> Counter[str]:
+def count_step(step: Callable[[], Any], counter: OpCounter | None = None) -> Counter[str]:
     """The ops one call of `step` (a training step: forward and backward) dispatches, counted
-    after a first call that is not: planning, lazy initialisation and allocator warm-up are
-    not the step's ops."""
+    (by `counter`, a fresh `OpCounter` by default) after a first call that is not: planning,
+    lazy initialisation and allocator warm-up are not the step's ops."""
     step()
-    counter = OpCounter()
+    counter = OpCounter() if counter is None else counter
     with counter:
         step()
     return counter.ops

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -75,7 +75,7 @@ class _Clock:
     schedule (`gained` restarts the wait)."""
     deadline: float
     patience: float = math.inf
-    last_gain: float = -math.inf
+    last_gain: float = field(init=False)
 
     def __post_init__(self) -> None:
         self.gained()
@@ -412,8 +412,8 @@ def solve_peak_shaving(graph: RematGraph, budget: int, time_limit: float = 2.0, 
              for drops in dict.fromkeys((frozenset(), *(_drops_of(family, seed) for seed in seeds)))]
     starts = []
     # Every start is repaired before any is improved (`_improve` undoes unneeded drops first):
-    # undoing one start's drops takes a build per drop,
-    # hundreds on a large model, and left the other starts no time to be repaired at all.
+    # undoing one start's drops takes a build per drop, hundreds on a large model, and left the
+    # other starts no time to be repaired at all.
     # The nearest to fitting first, each in the whole time until one fits (a seed a little over
     # the budget is repaired in a few builds, often within a hair of the floor); the farther
     # ones then only in the repairs' part of the time limit: the start from no drops, far over
