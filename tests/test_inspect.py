@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -115,11 +116,16 @@ def test_explain_lists_every_block_and_totals(planned: tuple[Rockmate, Path]) ->
     for label in ("store everything", "checkpoint every block", f"this plan ({SOLVER})", "transformer.h.1"):
         assert label in text
     assert "checkpoint" in text.split("totals")[0]  # the blocks' option column
-    floor, why = time_lower_bound(rk.graph, rk.schedule.budget)
-    assert floor <= rk.schedule.predicted_time
-    assert f"this plan is {100 * (rk.schedule.predicted_time / floor - 1):.1f}% above that" in text
+    # The floor explain states is a proven one, and the plan's distance to it is stated against
+    # it. Proving it runs MILPs under time limits, so the same floor proved again can come out
+    # weaker on a busy machine: checked against the knapsacks' floor, which has no time limit.
+    stated = re.search(r"\(proven: ([+-][0-9.]+)% over store-all\); this plan is ([0-9.]+)% above that", text)
+    floor = rk.store_all_time * (1 + float(stated[1]) / 100)
+    knapsacks, _ = time_lower_bound(rk.graph, rk.schedule.budget, closure=False, intervals=False)
+    assert knapsacks <= floor * 1.001 and floor <= rk.schedule.predicted_time * 1.001
+    assert float(stated[2]) == pytest.approx(100 * (rk.schedule.predicted_time / floor - 1), abs=0.2)
     # At 0.7 the budget costs recomputation: explain names the step that proves it, and where.
-    assert why.startswith("at node ") and f"the floor comes from the tightest step: {why}" in text
+    why = re.search(r"the floor comes from the tightest step: (at node .*)", text)[1]
     assert "(forward" in why or "(backward" in why
 
 
