@@ -15,12 +15,16 @@ from rkgraph.capture import CaptureError, JointGraph, trace_joint
 from rkgraph.graph import ComputeNode, DataNode, RematGraph
 from rkgraph.profile import (
     AllocatorEvents,
+    RescaledTimes,
     estimate_times,
+    estimated_times,
     measure_op_scratch,
     measure_scratch,
     measure_times,
+    node_keys,
     random_tangents,
     share_profile,
+    synthetic_times,
 )
 from rkgraph.rewrites import REWRITES, apply_rewrites, lean_rewrites, lean_variant
 
@@ -28,9 +32,9 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "REWRITES", "AllocatorEvents", "CaptureError", "ComputeNode", "DataNode", "JointGraph", "RematGraph",
-    "apply_rewrites", "build_graph", "capture", "capture_joint", "estimate_times", "lean_rewrites",
-    "lean_variant", "measure_op_scratch", "measure_scratch", "measure_times", "profile_graph", "random_tangents",
-    "share_profile", "split_into_blocks",
+    "RescaledTimes", "apply_rewrites", "build_graph", "capture", "capture_joint", "estimate_times",
+    "estimated_times", "lean_rewrites", "lean_variant", "measure_op_scratch", "measure_scratch", "measure_times",
+    "node_keys", "profile_graph", "random_tangents", "share_profile", "split_into_blocks", "synthetic_times",
 ]
 
 
@@ -42,11 +46,13 @@ def capture_joint(model: torch.nn.Module, args: Any, kwargs: dict | None = None)
 
 def profile_graph(
     graph: RematGraph, joint: JointGraph, real_inputs: list[torch.Tensor] | None,
-    mode: Literal["measure", "estimate"] | Mapping[str, float] = "measure", reference: RematGraph | None = None,
+    mode: Literal["measure", "estimate"] | Mapping[str, float] | RescaledTimes = "measure",
+    reference: RematGraph | None = None,
 ) -> None:
     """Set node costs. Times: measured on `real_inputs` (primals) when possible, else
     estimated; or, when `mode` maps node names to seconds (another plan's graph of the same
-    model and sample), taken from it, so that plans compared are planned on the same costs.
+    model and sample), taken from it, so that plans compared are planned on the same costs; or
+    a held plan's times at other input shapes, rescaled to these (`RescaledTimes`).
     Kernels' scratch memory is added to node workspaces, in every mode, from each op called
     alone on synthetic inputs (`measure_op_scratch`): no real inputs and no replay of the step
     are needed, so it holds for estimated profiles, on fake tensors and on every rank alike, and
@@ -56,17 +62,26 @@ def profile_graph(
     With `reference`, the costed graph `graph` is a variant of (`lean_variant`), nodes made of
     the same fx nodes take its costs (`share_profile`), so that plans of both compare on the
     same costs, and only the variant's own nodes are costed here. Unless `mode` is "estimate",
-    they are timed in replays of `graph`, in their place in the step, and put on the
-    reference's clock: scaled by the reference's time for the shared nodes over the replays',
-    so that the machine's speed while each was timed cancels (without it, profiles of the same
-    variant disagree more). Priced instead as the reference's ops they replace, they come out
-    too cheap: fused attentions and the packing and unpacking of masks take longer in a real
-    step than the ops they stand for. Their scratch is measured op by op (`measure_op_scratch`)."""
+    they are timed op by op on synthetic inputs (`synthetic_times`; no replay of the variant,
+    which would cost as many steps as the reference's profile again) and put on the
+    reference's clock: scaled by the reference's time for the ops they replace over those ops'
+    own times on synthetic inputs, the same work in the same step (an op timed alone, warm,
+    runs faster than in a step). Priced instead as the reference's ops they replace, they come
+    out too cheap: fused attentions and the packing and unpacking of masks take longer than the
+    ops they stand for. An own node that cannot run on synthetic inputs takes its estimate on
+    the reference's clock. Their scratch is measured op by op (`measure_op_scratch`)."""
     if reference is not None:
-        _profile_variant(graph, joint, real_inputs, mode != "estimate", reference)
+        _profile_variant(graph, joint, mode != "estimate", reference)
         return
     device = next((t.device.type for t in real_inputs or []), "cpu")
     measured = False
+    if isinstance(mode, RescaledTimes):
+        rescaled = mode.rescaled(graph, joint.module, device)
+        if rescaled is None:
+            log.info("the held plan's times cover too little of %s's graph: measured anew", graph.name)
+            mode = "measure"
+        else:
+            mode = rescaled
     if isinstance(mode, Mapping):
         names = [node.name for node in graph.nodes]
         missing, extra = [n for n in names if n not in mode], sorted(set(mode) - set(names))
@@ -91,27 +106,27 @@ def profile_graph(
     measure_op_scratch(graph, joint.module)
 
 
-def _profile_variant(graph: RematGraph, joint: JointGraph, real_inputs: list[torch.Tensor] | None, measure: bool,
-                     reference: RematGraph) -> None:
+def _profile_variant(graph: RematGraph, joint: JointGraph, measure: bool, reference: RematGraph) -> None:
     """`profile_graph` for a variant of `reference`'s graph (see there)."""
     estimate_times(graph, joint.module)
-    timed = None
-    if measure and real_inputs is not None:
-        device = next((t.device.type for t in real_inputs), "cpu")
-        with unset_fake_temporarily():
-            try:
-                measure_times(graph, joint.module, [*real_inputs, *random_tangents(joint.module, device)])
-                timed = {node.name: node.time for node in graph.nodes}
-            except torch.OutOfMemoryError:
-                log.warning("the variant's own ops not timed, their times estimated: its replay does not fit")
+    estimates = {node.name: node.time for node in graph.nodes}
     own = set(share_profile(graph, reference))
     measure_op_scratch(graph, joint.module, own)
-    if timed is not None:
-        shared = [node for node in graph.nodes if node.name not in own]
-        clock = sum(node.time for node in shared) / max(sum(timed[node.name] for node in shared), 1e-12)
-        for node in graph.nodes:
-            if node.name in own:
-                node.time = timed[node.name] * clock
+    if not measure or not own:
+        return
+    timed = synthetic_times(graph, joint.module, own)
+    # The reference's ops the variant's own ones replace: the same work in the same step,
+    # timed alone as the own ops are, give the clock from alone to in the step.
+    same = {node.name: node.fx_nodes for node in graph.nodes}
+    replaced = {node.name: node.time for node in reference.nodes if same.get(node.name) != node.fx_nodes}
+    alone = synthetic_times(reference, reference.joint.module, replaced)
+    clock = sum(replaced[name] for name in alone) / sum(alone.values()) if sum(alone.values()) > 0 else 1.0
+    shared = [node for node in graph.nodes if node.name not in own]
+    estimated_clock = (sum(node.time for node in shared) / sum(estimates[node.name] for node in shared)
+                       if sum(estimates[node.name] for node in shared) > 0 else 1.0)
+    for node in graph.nodes:
+        if node.name in own:  # an op that cannot run on synthetic inputs: its estimate, on the reference's clock
+            node.time = timed[node.name] * clock if node.name in timed else estimates[node.name] * estimated_clock
 
 
 def capture(

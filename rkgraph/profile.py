@@ -3,6 +3,9 @@ and the scratch memory kernels allocate inside an op, measured from the allocato
 
 Measuring times replays the joint graph in its own order (what autograd would keep alive), so
 it needs the store-everything memory; when that fails, or when asked, the estimate is used.
+A graph's few ops of its own beside a measured one (the lean variant's) are timed alone on
+synthetic inputs (`synthetic_times`), and a step at new input shapes takes a held plan's
+times rescaled (`RescaledTimes`): neither replays the step.
 The estimate is a roofline: max(flops / peak_flops, bytes / bandwidth), with rough device
 figures; solvers only compare times relative to each other. Scratch cannot be estimated: a
 convolution's im2col buffer or a reduction's partial sums are the kernel's business, seen only
@@ -22,8 +25,9 @@ import operator
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import fx
@@ -81,11 +85,82 @@ def estimated_seconds(graph: RematGraph, joint: fx.GraphModule, flops_per_s: flo
     return seconds
 
 
+def estimated_times(graph: RematGraph, joint: fx.GraphModule, device: str = "cpu") -> dict[str, float]:
+    """Node name -> the roofline estimate of each compute node, with rough figures for `device`."""
+    return estimated_seconds(graph, joint, *_DEVICE_SPEED.get(device, _DEVICE_SPEED["cpu"]))
+
+
 def estimate_times(graph: RematGraph, joint: fx.GraphModule, device: str = "cpu") -> None:
     """Fill `time` of every compute node with the roofline estimate."""
-    seconds = estimated_seconds(graph, joint, *_DEVICE_SPEED.get(device, _DEVICE_SPEED["cpu"]))
+    seconds = estimated_times(graph, joint, device)
     for node in graph.nodes:
         node.time = seconds[node.name]
+
+
+# The share of a graph's estimated time whose nodes must be found in a held plan's graph for
+# that plan's times to be rescaled to it (`RescaledTimes`); below it, the graph is measured.
+# A rewrite can apply at one batch size and not another (the fused head and loss, a large share
+# of a language model's step): half leaves such steps rescaled, and another model measured.
+RESCALED_SHARE = 0.5
+
+
+def node_keys(graph: RematGraph) -> dict[str, tuple[str, str, bool, int]]:
+    """Node name -> where the node is in the step whatever fx numbered it: (module path, op,
+    whether in the backward, how many such nodes of that module came before it). fx numbers
+    nodes by op across the whole graph, so one op more or less at another batch size (a
+    `clone` that a batch of one does not need) renames every later node of that op; the
+    keys of other modules' nodes stay."""
+    seen: dict[tuple[str, str, bool], int] = {}
+    keys = {}
+    for node in graph.nodes:
+        kind = (node.module, node.op, node.backward)
+        keys[node.name] = (*kind, seen.get(kind, 0))
+        seen[kind] = seen.get(kind, 0) + 1
+    return keys
+
+
+@dataclass(frozen=True)
+class RescaledTimes:
+    """Node times measured for the same step at other input shapes (a held plan's), with the
+    roofline estimates of those nodes there and where each is in the step (`node_keys`). A
+    profile (`profile_graph`) that gives each node its time there scaled by its estimate here
+    over its estimate there, so that a step planned again for a new input signature (another
+    batch size or sequence length) needs no replay of the step: the replays cost several
+    steps' time, as much again at every new signature. The measured times carry what the
+    estimate misses (which kernels are slow on this machine); the estimates' ratio carries how
+    each op grows with its shapes. Nodes estimated at zero there (views) keep their time; nodes
+    the held plan's graph lacks take their estimate on the measured clock (the held times over
+    their estimates): timing them alone (`synthetic_times`) can cost more than the rest of the
+    plan (a fused head and loss, written in Python a chunk at a time, on a CPU). Where less than
+    `RESCALED_SHARE` of the estimated step is found there (another model, another structure),
+    `profile_graph` measures instead."""
+
+    times: Mapping[str, float]
+    estimates: Mapping[str, float]
+    keys: Mapping[str, tuple]
+
+    @classmethod
+    def of_graph(cls, graph: RematGraph, joint: fx.GraphModule, device: str = "cpu") -> RescaledTimes:
+        """`graph`'s node times as costed, to rescale to other input shapes."""
+        return cls({node.name: node.time for node in graph.nodes}, estimated_times(graph, joint, device),
+                   node_keys(graph))
+
+    def rescaled(self, graph: RematGraph, joint: fx.GraphModule, device: str = "cpu") -> dict[str, float] | None:
+        """Each node's rescaled time, by name; None when too little of `graph` is found."""
+        here = estimated_times(graph, joint, device)
+        held = {key: name for name, key in self.keys.items()}
+        found = {name: held[key] for name, key in node_keys(graph).items() if key in held}
+        total = sum(here.values())
+        if total <= 0 or sum(here[name] for name in found) < RESCALED_SHARE * total:
+            return None
+        estimated = sum(self.estimates[old] for old in found.values())
+        clock = sum(self.times[old] for old in found.values()) / estimated if estimated > 0 else 1.0
+        times = {}
+        for name, seconds in here.items():
+            old = found.get(name)
+            times[name] = (seconds * clock if old is None else self.times[old] * seconds / self.estimates[old]
+                           if self.estimates[old] > 0 else self.times[old])
+        return times
 
 
 class AllocatorEvents:
@@ -239,6 +314,9 @@ _UNSYNTHETIC_OPS = frozenset({torch.ops.aten._assert_async.default, torch.ops.at
 # choice of buffers depends on, so a measurement holds for the process.
 _op_scratch: dict[tuple, tuple[int | None, object]] = {}
 _OP_SCRATCH_HELD = 1 << 16  # signatures held before the oldest are dropped
+# Op signature -> seconds of one call on synthetic inputs (`synthetic_times`); None where it
+# cannot run on them.
+_op_time: dict[tuple, float | None] = {}
 
 
 class _Unsynthetic(Exception):
@@ -292,13 +370,18 @@ def _signature_of(arguments: object, described: dict[str, object], first: dict[s
     return ("const", arguments)
 
 
-def _measurable(node: fx.Node) -> bool:
-    """Whether `node`'s op is run on synthetic inputs (see `measure_op_scratch`)."""
+def _synthesizable(node: fx.Node) -> bool:
+    """Whether `node`'s op can run on synthetic inputs (see `measure_op_scratch`)."""
     target = node.target
     return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
             and target.namespace in _SYNTHETIC_NAMESPACES and target not in _UNSYNTHETIC_OPS
-            and not any(tag in _UNSYNTHETIC_TAGS for tag in target.tags)
-            and not any(target in r.scratch for r in REWRITES))
+            and not any(tag in _UNSYNTHETIC_TAGS for tag in target.tags))
+
+
+def _scratch_measured(node: fx.Node) -> bool:
+    """Whether `node`'s op is run for its scratch (see `measure_op_scratch`): not our ops whose
+    scratch the rewrites' table knows."""
+    return _synthesizable(node) and not any(node.target in r.scratch for r in REWRITES)
 
 
 def _synthetic(description: tuple, fills: dict[tuple, torch.Tensor] | None, own: bool = False) -> torch.Tensor:
@@ -419,36 +502,92 @@ def measure_op_scratch(graph: RematGraph, joint: fx.GraphModule, nodes: Iterable
     fx_nodes = {n.name: n for n in joint.graph.nodes}
     names = None if nodes is None else set(nodes)
     wanted = [node for node in graph.nodes if names is None or node.name in names]
-    scratch = _op_scratches(joint)
+    signatures = _op_signatures(joint)
+
+    def scratch(name: str) -> int:
+        measured = _op_scratch.get(signatures.get(name), (None,))[0]
+        return known_scratch(fx_nodes[name]) if measured is None else measured
+
     for node in wanted:
-        node.workspace += max((known_scratch(fx_nodes[name]) if scratch.get(name) is None else scratch[name]
-                               for name in node.fx_nodes), default=0)
+        node.workspace += max((scratch(name) for name in node.fx_nodes), default=0)
 
 
-def _op_scratches(joint: fx.GraphModule) -> dict[str, int | None]:
-    """Scratch of each op of `joint` by fx node name (`measure_op_scratch`), measuring the
-    signatures the cache lacks."""
+def synthetic_times(graph: RematGraph, joint: fx.GraphModule, nodes: Iterable[str],
+                    repeats: int = 3) -> dict[str, float]:
+    """Seconds of each compute node of `nodes` (by name) whose ops all run on synthetic inputs
+    (`measure_op_scratch`'s): the sum over its ops of each op's median time over `repeats`
+    calls, after one untimed call. Each op signature is timed once for the process, so
+    identical layers cost one op's calls, and no replay of the step is needed: a graph's few
+    ops of its own (a rewrite's fused ops) are timed without running the whole graph again.
+    An op timed alone, warm, runs faster than in a step (`measure_times`): callers put these
+    times on a replay's clock."""
+    fx_nodes = {n.name: n for n in joint.graph.nodes}
+    signatures = _op_signatures(joint)
+    wanted = set(nodes)
+    seconds: dict[str, float] = {}
+    with (preserved_rng(), torch.no_grad(), unset_fake_temporarily(), torch._C._DisableAutocast(), hooks_muted()):
+        for node in graph.nodes:
+            if node.name not in wanted:
+                continue
+            ops = [fx_nodes[name] for name in node.fx_nodes]
+            ops = [op for op in ops if op.op == "call_function" and op.target is not operator.getitem]
+            times = [_op_seconds(op.target, signatures[op.name], repeats) if op.name in signatures else None
+                     for op in ops]
+            if None not in times:
+                seconds[node.name] = sum(times)
+    return seconds
+
+
+def _op_seconds(target: torch._ops.OpOverload, signature: tuple, repeats: int) -> float | None:
+    """The median time of `repeats` calls of `target` on synthetic inputs of `signature`, after
+    one untimed call; None when it cannot run on them. Held for the process."""
+    if signature in _op_time:
+        return _op_time[signature]
+    made: dict[int, torch.Tensor] = {}
+    seconds = None
+    try:
+        args, kwargs = _arguments(signature[1], made, {}, own=True)
+        sync = torch.cuda.synchronize if any(t.device.type == "cuda" for t in made.values()) else (lambda: None)
+        samples = []
+        for _ in range(repeats + 1):
+            sync()
+            start = time.perf_counter()
+            target(*args, **kwargs)
+            sync()
+            samples.append(time.perf_counter() - start)
+        seconds = statistics.median(samples[1:])
+    except Exception as e:  # noqa: BLE001  (any failure: not timed, as documented)
+        log.debug("%s not timed on synthetic inputs: %s", target, e)
+    _op_time[signature] = seconds
+    while len(_op_time) > _OP_SCRATCH_HELD:
+        del _op_time[next(iter(_op_time))]
+    return seconds
+
+
+def _op_signatures(joint: fx.GraphModule) -> dict[str, tuple]:
+    """The signature of each op of `joint` that can run on synthetic inputs, by fx node name,
+    measuring the scratch of the signatures the cache lacks (`measure_op_scratch`)."""
     device = next((v.device for p in joint.graph.find_nodes(op="placeholder")
                    if isinstance(v := p.meta.get("val"), torch.Tensor)), torch.device("cpu"))
     recorded: dict[tuple, str] = {}
     if device.type == "cuda":
         torch.cuda.init()  # before its generators are saved: draws on a fresh context restore too
     try:
-        scratch = _run_ops(joint, device, recorded)
+        signatures = _run_ops(joint, device, recorded)
     except BaseException:
         for signature in recorded:  # unread: measured again next time, not held unmeasured
             _op_scratch.pop(signature, None)
         raise
     while len(_op_scratch) > _OP_SCRATCH_HELD:
         del _op_scratch[next(iter(_op_scratch))]
-    return scratch
+    return signatures
 
 
-def _run_ops(joint: fx.GraphModule, device: torch.device, recorded: dict[tuple, str]) -> dict[str, int | None]:
-    """`_op_scratches`' loop: each op in order, on what its inputs' ops returned; the signatures
+def _run_ops(joint: fx.GraphModule, device: torch.device, recorded: dict[tuple, str]) -> dict[str, tuple]:
+    """`_op_signatures`' loop: each op in order, on what its inputs' ops returned; the signatures
     it measures go into `recorded` (signature -> its range's label) as they run."""
     described: dict[str, object] = {}
-    signatures: dict[str, tuple] = {}  # fx node name -> its op's signature, for the ops run
+    signatures: dict[str, tuple] = {}  # fx node name -> its op's signature, for the synthesizable ops
     fills: dict[tuple, torch.Tensor] = {}
     labels = (f"rkgraph::op{i}" for i in itertools.count())  # one per call: failed calls' ranges too
 
@@ -468,13 +607,15 @@ def _run_ops(joint: fx.GraphModule, device: torch.device, recorded: dict[tuple, 
                 described[node.name] = parent[node.args[1]]
                 continue
             signature = None
-            if _measurable(node):
+            if _synthesizable(node):
                 try:
                     signature = (str(node.target), _signature_of((node.args, node.kwargs), described, {}),
                                  torch.get_num_threads())
                 except (_Unsynthetic, TypeError):  # TypeError: an unhashable argument
                     pass
-            if signature is None:
+            if signature is not None:
+                signatures[node.name] = signature
+            if signature is None or not _scratch_measured(node):
                 described[node.name] = fake(node)
                 continue
             if signature not in _op_scratch and node.target.is_view:
@@ -493,14 +634,13 @@ def _run_ops(joint: fx.GraphModule, device: torch.device, recorded: dict[tuple, 
                     log.debug("scratch of %s not measured on synthetic inputs: %s", node.target, e)
                     returned = fake(node)
                 _op_scratch[signature] = (None, returned)
-            signatures[node.name] = signature
             described[node.name] = _op_scratch[signature][1]
     for signature, label in recorded.items():
         span = events.ranges.get(label)
         if span is not None:
             peak, current = events.replay(*span)
             _op_scratch[signature] = (max(peak - max(current, 0), 0), _op_scratch[signature][1])
-    return {name: _op_scratch[signature][0] for name, signature in signatures.items()}
+    return signatures
 
 
 def measure_scratch(

@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from rkgraph.build import is_view
 from rkgraph.capture import CaptureError, FlatCall, JointGraph, is_tangent
 from rkgraph.graph import RematGraph
+from rkgraph.profile import RescaledTimes
 from rockplan.planner import Plan, PlanOptions, reuse
 from solvers.schedule import Schedule
 
@@ -331,6 +332,7 @@ class _SentPlan:
     graph: RematGraph
     times: dict[str, float]
     schedule: Schedule
+    rescaled_times: RescaledTimes | None = None  # the same input signature on every rank: its times as they are
 
 
 def _whole_bytes(p: torch.Tensor) -> int:

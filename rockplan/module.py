@@ -142,7 +142,10 @@ class Rockmate(nn.Module):
 
     A plan is for one input signature (shapes, dtypes, devices, structure): a training step on
     another input plans again, inside the step, with a warning the first time and a log line at
-    INFO after ("error" for `on_new_input` refuses it instead). With "reuse", a held plan runs the
+    INFO after ("error" for `on_new_input` refuses it instead). With a measured profile, that
+    plan takes the held plan's node times, rescaled to the new shapes by how their roofline
+    estimates grow (`rkgraph.RescaledTimes`): no replays of the step, which would cost several
+    steps at every new input; a step whose graph differs is measured anew. With "reuse", a held plan runs the
     new input when its graph is the same up to sizes and the simulator finds the plan within the
     budget there: give the largest input as the sample, and smaller ones are captured but not
     solved (they recompute what a plan of their own might keep). The `max_plans` most recently used
@@ -326,9 +329,12 @@ class Rockmate(nn.Module):
             if self.backend == "inductor":
                 seed_random_ops(joint_module)
             joint = apply_rewrites(joint_graph(flat, joint_module, num_fwd_outputs))
-            held = [s.plan for s in reversed(self._steps.values())] if self.on_new_input == "reuse" else []
-            reused = (reuse(joint, budget, options, p, real) for p in held)
-            planned.append(next(filter(None, reused), None) or plan(joint, budget, options, real))
+            held = [s.plan for s in reversed(self._steps.values())]
+            reused = (reuse(joint, budget, options, p, real) for p in held if self.on_new_input == "reuse")
+            # A new input signature of a step already measured: its times rescaled, no replays.
+            here = (dataclasses.replace(options, profile=held[0].rescaled_times)
+                    if options.profile == "measure" and held and held[0].rescaled_times is not None else options)
+            planned.append(next(filter(None, reused), None) or plan(joint, budget, here, real))
             if self._sharded is not None:
                 planned[0] = self._sharded.agree(planned[0], joint, budget, options, real)
             progress.stage("generate")

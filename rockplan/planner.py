@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import torch
 
-from rkgraph import build_graph, profile_graph, split_into_blocks
+from rkgraph import RescaledTimes, build_graph, profile_graph, split_into_blocks
 from rkgraph.capture import JointGraph
 from rkgraph.graph import RematGraph
 from rkgraph.rewrites import lean_variant
@@ -52,7 +52,7 @@ from solvers.bounds import budget_bounds, reachable_floor, time_lower_bound
 
 log = logging.getLogger(__name__)
 
-Profile = Literal["measure", "estimate"] | Mapping[str, float]
+Profile = Literal["measure", "estimate"] | Mapping[str, float] | RescaledTimes
 DEFAULT_SOLVER = "rockmate"  # the portfolio: every strategy tried, the fastest plan kept
 # Relative margin by which the lean variant's plan must beat autograd's graph's proven floor
 # for that graph to go unsolved: the floor's knapsacks have been seen a hair above the time of
@@ -69,11 +69,13 @@ class OutOfTime(InfeasibleBudget):
 @dataclass(frozen=True)
 class PlanOptions:
     """How to plan. `profile`: node times "measure"d on the real inputs, "estimate"d from FLOPs
-    and bytes, or a mapping from node name to seconds (another plan's `Plan.times`: the same
-    graph then plans on the same costs). `plan_file`: a file written by `export`, checked
-    against the graph and used instead of solving. `replay_rng`: recomputed random ops replay
-    their recorded generator state (False under Inductor, which cannot call the replay: random
-    ops then run once). `lean_variant`: plan the lean variant too where the plan recomputes."""
+    and bytes, a mapping from node name to seconds (another plan's `Plan.times`: the same
+    graph then plans on the same costs), or another plan's times at other input shapes
+    (a plan's `rescaled_times`: planning again for a new input signature replays nothing).
+    `plan_file`: a file written by `export`, checked against the graph and used instead of
+    solving. `replay_rng`: recomputed random ops replay their recorded generator state (False
+    under Inductor, which cannot call the replay: random ops then run once). `lean_variant`:
+    plan the lean variant too where the plan recomputes."""
 
     solver: str = DEFAULT_SOLVER
     solver_options: Mapping[str, Any] = field(default_factory=dict)
@@ -99,6 +101,8 @@ class Plan:
     reference: Schedule  # autograd's graph storing everything: the reference of ratios and budgets
     times: dict[str, float]  # autograd's graph's node times, by name: `PlanOptions.profile` for a replan
     considered: dict[str, float | str]  # the other graph planned and not run: its time, or why it has none
+    # autograd's graph's times as the profile of the same step at other input shapes
+    rescaled_times: RescaledTimes | None = None
 
 
 def check_solver(solver: str, options: Mapping[str, Any]) -> None:
@@ -182,7 +186,12 @@ def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = Pl
                  100 * (schedule.lower_bound / reference.predicted_time - 1))
     return Plan(chosen_joint, chosen_graph, schedule, budget,
                 reference if chosen_graph is graph else solve_store_all(chosen_graph), reference,
-                {n.name: n.time for n in graph.nodes}, considered)
+                {n.name: n.time for n in graph.nodes}, considered, _rescaled_times(graph, real_inputs))
+
+
+def _rescaled_times(graph: RematGraph, real_inputs: list[torch.Tensor] | None) -> RescaledTimes:
+    """`Plan.rescaled_times` of autograd's costed graph, estimated for the device it was profiled on."""
+    return RescaledTimes.of_graph(graph, graph.joint.module, next((t.device.type for t in real_inputs or []), "cpu"))
 
 
 def _settled_by_lean_variant(graph: RematGraph, reference: Schedule, budget: int, options: PlanOptions,
@@ -235,7 +244,7 @@ class _LeanVariant:
             self.joint = lean_variant(self._of)
             if self.joint is not None:
                 options = self._options
-                # Its own ops timed in place, unless the reference's times are estimates.
+                # Its own ops timed op by op on synthetic inputs, unless the reference's times are estimates.
                 progress.stage("profile the lean variant")
                 self.graph = costed_graph(self.joint, self._inputs,
                                           "estimate" if options.profile == "estimate" else "measure", options,
@@ -272,7 +281,7 @@ def reuse(joint: JointGraph, budget: int | float | str, options: PlanOptions, pr
     reading and making the same values, only their sizes differ) and the simulator finds it
     within `budget` there; None otherwise. No solver runs: planning at the largest input
     covers smaller ones, at the cost of recomputing what they could have kept. Costs: the
-    previous plan's node times (measured ones keep their order across shapes), with kernels'
+    previous plan's node times rescaled to the new shapes (`rkgraph.RescaledTimes`), with kernels'
     scratch measured again at the new shapes, since the budget check needs it."""
     graph = build_graph(joint, name=options.name, replay_rng=options.replay_rng)
     variant = None
@@ -283,7 +292,8 @@ def reuse(joint: JointGraph, budget: int | float | str, options: PlanOptions, pr
             return None
     if set(previous.times) != {n.name for n in graph.nodes}:
         return None
-    graph = costed_graph(joint, real_inputs, "estimate" if options.profile == "estimate" else previous.times, options)
+    held = previous.times if previous.rescaled_times is None else previous.rescaled_times
+    graph = costed_graph(joint, real_inputs, "estimate" if options.profile == "estimate" else held, options)
     reference = solve_store_all(graph)
     budget = parse_budget(budget, reference.predicted_peak)
     chosen_joint, chosen = (joint, graph) if variant is None else (variant, costed_graph(
@@ -301,7 +311,7 @@ def reuse(joint: JointGraph, budget: int | float | str, options: PlanOptions, pr
                         predicted_time=result.time, extra={**old.extra, "reused": True})
     log.info("reused the held plan: peak %s within the budget of %s", format_bytes(result.peak), format_bytes(budget))
     return Plan(chosen_joint, chosen, schedule, budget, reference if variant is None else solve_store_all(chosen),
-                reference, {n.name: n.time for n in graph.nodes}, {})
+                reference, {n.name: n.time for n in graph.nodes}, {}, _rescaled_times(graph, real_inputs))
 
 
 def _structure(graph: RematGraph) -> tuple:

@@ -3,17 +3,18 @@
 A measured profile changes from run to run (more so on a busy 2-core CI machine), and with it
 the schedule a test plans and runs: a test that holds for most schedules then fails by chance.
 So wherever a test plans on a "measured" profile (Rockmate's default, also inside the lean
-variant's profile, which times its own ops even when given another plan's times), node times
-are the roofline estimate (`rkgraph.estimate_times`): a function of the graph alone. The rest
-of the measurement stays real: the warm-up replay runs the real kernels, and the kernels' scratch
-is measured op by op from the allocator's events as in any profile. Tests of the measurement
+variant's profile, which times its own ops alone, `rkgraph.synthetic_times`, even when given
+another plan's times), node times are the roofline estimate (`rkgraph.estimate_times`): a
+function of the graph alone. The rest of the measurement stays real: the warm-up replay and the
+ops timed alone run the real kernels, and the kernels' scratch is measured op by op from the
+allocator's events as in any profile. Tests of the measurement
 itself opt out with `@pytest.mark.measures_time`.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import pytest
 import torch
@@ -43,3 +44,13 @@ def _frozen_node_times(request: pytest.FixtureRequest, monkeypatch: pytest.Monke
         rkgraph.estimate_times(graph, joint, device)
 
     monkeypatch.setattr(rkgraph, "measure_times", estimated)
+    alone = rkgraph.synthetic_times
+
+    def estimated_alone(graph: RematGraph, joint: fx.GraphModule, nodes: Iterable[str], repeats: int = 3) -> dict:
+        timed = alone(graph, joint, nodes, repeats)  # the ops run as measured: only their times are replaced
+        device = next((v.device.type for p in joint.graph.find_nodes(op="placeholder")
+                       if isinstance(v := p.meta.get("val"), torch.Tensor)), "cpu")
+        seconds = rkgraph.estimated_times(graph, joint, device)
+        return {name: seconds[name] for name in timed}
+
+    monkeypatch.setattr(rkgraph, "synthetic_times", estimated_alone)

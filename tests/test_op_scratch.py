@@ -65,7 +65,7 @@ def test_op_by_op_scratch_equals_the_replay_s_on_every_node(name: str, how: str,
     # Where both measure: nodes whose every op runs on synthetic inputs (not our ops the
     # rewrites' table knows, nor draws' and assertions' kin: see `measure_op_scratch`).
     both = [node.name for node in op_by_op.nodes
-            if all(rkprofile._measurable(fx_nodes[n]) or fx_nodes[n].target is operator.getitem
+            if all(rkprofile._scratch_measured(fx_nodes[n]) or fx_nodes[n].target is operator.getitem
                    for n in node.fx_nodes)]
     assert len(both) > 0.8 * len(op_by_op.nodes)
     replay = {node.name: node.workspace - base[node.name] for node in replayed.nodes}
@@ -85,7 +85,7 @@ def test_identical_layers_are_measured_once(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(rkprofile, "_run_synthetic", lambda target, *rest: calls.append(target) or run(target, *rest))
     rkprofile._op_scratch.clear()
     rkgraph.measure_op_scratch(rkgraph.build_graph(joint), joint.module)
-    measurable = [n for n in joint.module.graph.nodes if rkprofile._measurable(n)]
+    measurable = [n for n in joint.module.graph.nodes if rkprofile._scratch_measured(n)]
     assert 0 < len(calls) < len(measurable)
     first = len(calls)
     rkgraph.measure_op_scratch(rkgraph.build_graph(joint), joint.module)

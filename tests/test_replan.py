@@ -79,10 +79,12 @@ def test_a_rockmate_pickles_and_plans_again_at_its_first_step(how: str) -> None:
 
 
 def test_a_plan_at_the_largest_input_runs_smaller_ones_when_the_simulator_fits_it() -> None:
+    """A held plan runs a shorter input when the simulator fits it there; its predicted time is
+    the shorter step's (the held plan's measured times rescaled), not the longer one's."""
     model, (idx,), _, _ = zoo.make("gpt", "tiny")
     probe = Rockmate(copy.deepcopy(model), idx, 1.0, solver="store_all", profile="estimate")
     budget = int(0.6 * probe.store_all_peak)  # bytes: the same for every input
-    rk = Rockmate(copy.deepcopy(model), idx, budget, profile="estimate", on_new_input="reuse")
+    rk = Rockmate(copy.deepcopy(model), idx, budget, on_new_input="reuse")
     largest = rk.plan
     assert largest.schedule.predicted_peak < probe.store_all_peak
     shorter = idx[:, : idx.shape[1] // 2].clone()
@@ -92,6 +94,7 @@ def test_a_plan_at_the_largest_input_runs_smaller_ones_when_the_simulator_fits_i
     assert rk.plan is not largest and rk.plan.schedule.extra.get("reused") is True
     assert rk.plan.schedule.ops == largest.schedule.ops
     assert rk.plan.schedule.predicted_peak <= budget
+    assert rk.plan.schedule.predicted_time < 0.75 * largest.schedule.predicted_time
     torch.manual_seed(1)
     expected = model(shorter)
     torch.testing.assert_close(out, expected)
@@ -99,3 +102,60 @@ def test_a_plan_at_the_largest_input_runs_smaller_ones_when_the_simulator_fits_i
     expected.sum().backward()
     for (name, p), q in zip(model.named_parameters(), rk.parameters()):
         torch.testing.assert_close(q.grad, p.grad, msg=f"gradient of {name}")
+
+
+class _Doubled(torch.nn.Module):
+    """Doubles a batch of more than one example: its graph at a batch of one has an op less."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if x.shape[0] > 1 else x
+
+
+class _Tripled(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 3
+
+
+def test_a_new_shape_is_planned_on_the_held_plans_times_rescaled(monkeypatch: pytest.MonkeyPatch,
+                                                                 recwarn: pytest.WarningsRecorder) -> None:
+    """With a measured profile, a step at a new input signature replays nothing: each node takes
+    the held plan's measured time scaled by its roofline estimate at the new shapes over the old
+    (here a machine twice as slow as the estimate, five times for the tripling, stays so at the
+    new shapes), found by where it is in the step, not by fx's numbering: planned at a batch of
+    one, the graph has a multiplication less, and at a larger batch the doubling takes the
+    tripling's name. The doubling, not in the held graph, takes its estimate on the held plan's
+    clock. A profile rescaled from another model's plan covers none of its graph: measured."""
+    import rkgraph
+
+    replays = []
+
+    def slower(module: str) -> float:
+        return 5.0 if module == "3" else 2.0
+
+    def measured(graph, joint, inputs, repeats=3):
+        replays.append(graph)
+        rkgraph.estimate_times(graph, joint)
+        for node in graph.nodes:
+            node.time *= slower(node.module)
+
+    monkeypatch.setattr(rkgraph, "measure_times", measured)
+    model = torch.nn.Sequential(_Doubled(), torch.nn.Linear(32, 64), torch.nn.Tanh(), _Tripled(),
+                                torch.nn.Linear(64, 1))
+    rk = Rockmate(model, _mlp(1), 1.0)
+    first = rk.plan
+    assert len(replays) == 1 and not any(n.module == "0" for n in first.graph.nodes)
+    for batch in (64, 32):
+        rk(_mlp(batch)).sum().backward()
+    assert len(replays) == 1 and len(rk._steps) == 3
+    held_estimates = rkgraph.estimated_times(first.graph, first.joint.module)
+    clock = sum(first.times.values()) / sum(held_estimates.values())
+    for again in [step.plan for step in rk._steps.values()][1:]:
+        modules = {n.name: n.module for n in first.graph.nodes}
+        renamed = [n for n in again.graph.nodes if n.name in modules and modules[n.name] != n.module]
+        assert renamed and all(n.op == "aten.mul.Tensor" for n in renamed)
+        estimates = rkgraph.estimated_times(again.graph, again.joint.module)
+        factor = {n.name: clock if n.module == "0" else slower(n.module) for n in again.graph.nodes}
+        assert again.times == pytest.approx({name: factor[name] * estimates[name] for name in factor})
+    other = torch.nn.Sequential(torch.nn.Linear(32, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    Rockmate(other, _mlp(64), 1.0, profile=first.rescaled_times)
+    assert len(replays) == 2

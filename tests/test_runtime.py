@@ -506,38 +506,47 @@ def test_lean_plan_exports_and_reloads(tmp_path) -> None:
     _assert_same_state(model, copied)
 
 
-def test_a_variants_own_ops_are_timed_in_place_on_the_references_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_variants_own_ops_are_timed_alone_on_the_references_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     """With a measured profile, the lean variant takes autograd's graph's times for the ops both
-    run, and its own ops (fused attention, mask packing) are timed in replays of the variant,
-    scaled by how the shared ops timed there compare with the reference: a machine slower
-    while the variant is timed leaves its costs where they were."""
+    run, and its own ops (fused attention, mask packing) are timed op by op on synthetic inputs,
+    with no replay of the variant, then scaled by how the reference's ops they replace time in
+    the step against alone: ops that run twice as slow alone as in the step (a machine slower
+    while they are timed, or ops timed cold) leave the own ops' costs at half their time alone.
+    An own op that cannot run alone takes its estimate on the reference's clock."""
     import rkgraph
+    from rkgraph.profile import estimated_seconds
 
     replays: list[RematGraph] = []
-
-    def one_second_each(graph, joint, inputs, repeats=3):  # a replay where every node takes 1 s
-        replays.append(graph)
-        for node in graph.nodes:
-            node.time = 1.0
-
+    monkeypatch.setattr(rkgraph, "measure_times", lambda graph, *_a, **_k: replays.append(graph))
     torch.manual_seed(0)
     model = zoo.GPT(vocab_size=128, block_size=256, n_layer=2, n_head=4, n_embd=32, dropout=0.1)
     args, kwargs = (torch.randint(0, 128, (2, 256)),), {}
-    stored = Rockmate(copy.deepcopy(model), (args, kwargs), 1.0, solver="store_all")
+    stored = Rockmate(copy.deepcopy(model), (args, kwargs), 1.0, solver="store_all", profile="estimate")
     times = stored.profile_times()
-    monkeypatch.setattr(rkgraph, "measure_times", one_second_each)
+    asked: list[set[str]] = []
+
+    def alone(graph: RematGraph, joint, nodes, repeats=3):
+        asked.append(set(nodes))
+        if any(n.op == "rkgraph.attention.default" for n in graph.nodes):  # the variant's own ops: 2 s each
+            return {name: 2.0 for name in sorted(nodes)[1:]}  # the first cannot run alone
+        return {name: 2 * times[name] for name in nodes}  # the ops they replace: twice their step's time
+
+    monkeypatch.setattr(rkgraph, "synthetic_times", alone)
     rk = Rockmate(model, (args, kwargs), 0.5, solver_options=SOLVER_OPTIONS, profile=times)
-    assert "attention fused" in rk.explain() and replays == [rk.graph]
+    assert "attention fused" in rk.explain() and replays == []
     own = {n.name for n in rk.graph.nodes if n.op.startswith("rkgraph.") and
            any(word in n.op for word in ("attention", "pack_mask"))}
     assert len(own) == 2 * 2 + 7 * 2  # per layer its attention and backward; 7 masks packed and unpacked
+    assert asked[0] == own and asked[1] and not asked[1] & {n.name for n in rk.graph.nodes if n.name not in own}
     shared = [n for n in rk.graph.nodes if n.name not in own]
     for node in shared:
         assert node.time == times[node.name]
-    clock = sum(times[n.name] for n in shared) / len(shared)  # the reference's seconds per replay second
+    estimates = estimated_seconds(rk.graph, rk.graph.joint.module, 1e11, 2e10)
+    clock = sum(times[n.name] for n in shared) / sum(estimates[n.name] for n in shared)
+    first = sorted(own)[0]
     for node in rk.graph.nodes:
         if node.name in own:
-            assert node.time == pytest.approx(clock)
+            assert node.time == pytest.approx(estimates[first] * clock if node.name == first else 1.0)
 
 
 def test_long_sequences_plan_with_attention_fused() -> None:
