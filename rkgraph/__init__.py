@@ -78,8 +78,9 @@ def profile_graph(
     if isinstance(mode, RescaledTimes):
         rescaled = mode.rescaled(graph, joint.module, device)
         if rescaled is None:
-            log.info("the held plan's times cover too little of %s's graph: measured anew", graph.name)
-            mode = "measure"
+            log.info("the held plan's times cover too little of %s's graph: profiled anew (%s)", graph.name,
+                     mode.otherwise)
+            mode = mode.otherwise
         else:
             mode = rescaled
     if isinstance(mode, Mapping):

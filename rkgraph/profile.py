@@ -133,11 +133,13 @@ class RescaledTimes:
     their estimates): timing them alone (`synthetic_times`) can cost more than the rest of the
     plan (a fused head and loss, written in Python a chunk at a time, on a CPU). Where less than
     `RESCALED_SHARE` of the estimated step is found there (another model, another structure),
-    `profile_graph` measures instead."""
+    `profile_graph` profiles it as `otherwise` says: "measure" (replays), or "estimate" where
+    the step's values cannot be replayed (a sharded model's parameters not gathered whole)."""
 
     times: Mapping[str, float]
     estimates: Mapping[str, float]
     keys: Mapping[str, tuple]
+    otherwise: str = "measure"
 
     @classmethod
     def of_graph(cls, graph: RematGraph, joint: fx.GraphModule, device: str = "cpu") -> RescaledTimes:

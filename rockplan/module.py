@@ -278,9 +278,18 @@ class Rockmate(nn.Module):
         """Capture the step on fake tensors and plan it, inside AOTAutograd's partition step;
         with Inductor, measure the compiled step and plan again tighter while it exceeds the budget."""
         start = time.perf_counter()
-        with (self._sharded.planning(values=self.options.profile != "estimate") if self._sharded is not None
+        options = self.options
+        held = next(iter(reversed(self._steps.values())), None)
+        if options.profile == "measure" and held is not None and held.plan.rescaled_times is not None:
+            # A new input signature of a step already measured: its times rescaled, no replays.
+            # Sharded, the groups are then not gathered whole (only a replay reads their values),
+            # so a graph the held times do not cover is estimated, not replayed.
+            times = held.plan.rescaled_times
+            options = dataclasses.replace(options, profile=times if self._sharded is None
+                                          else dataclasses.replace(times, otherwise="estimate"))
+        with (self._sharded.planning(values=options.profile == "measure") if self._sharded is not None
               else contextlib.nullcontext()):
-            step = self._plan_within(self.budget_spec, self.options, args, kwargs)
+            step = self._plan_within(self.budget_spec, options, args, kwargs)
         if self.backend == "inductor":
             step = self._fit_compiled_step(step, args, kwargs)
         step.plan_time = time.perf_counter() - start
@@ -329,12 +338,9 @@ class Rockmate(nn.Module):
             if self.backend == "inductor":
                 seed_random_ops(joint_module)
             joint = apply_rewrites(joint_graph(flat, joint_module, num_fwd_outputs))
-            held = [s.plan for s in reversed(self._steps.values())]
-            reused = (reuse(joint, budget, options, p, real) for p in held if self.on_new_input == "reuse")
-            # A new input signature of a step already measured: its times rescaled, no replays.
-            here = (dataclasses.replace(options, profile=held[0].rescaled_times)
-                    if options.profile == "measure" and held and held[0].rescaled_times is not None else options)
-            planned.append(next(filter(None, reused), None) or plan(joint, budget, here, real))
+            held = [s.plan for s in reversed(self._steps.values())] if self.on_new_input == "reuse" else []
+            reused = (reuse(joint, budget, options, p, real) for p in held)
+            planned.append(next(filter(None, reused), None) or plan(joint, budget, options, real))
             if self._sharded is not None:
                 planned[0] = self._sharded.agree(planned[0], joint, budget, options, real)
             progress.stage("generate")

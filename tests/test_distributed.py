@@ -31,7 +31,7 @@ from torch import nn
 from rkgraph.build import is_collective
 from rkgraph.capture import is_tangent
 from rockplan import Rockmate, zoo
-from rockplan.distributed import fsdp_buffer_bytes
+from rockplan.distributed import ShardedBlocks, fsdp_buffer_bytes
 from rockplan.memory import measure_step
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -163,6 +163,32 @@ def _fsdp_then_rockmate(rank: int, device: str = "cpu") -> dict:
         _step(eager, batch[:, : batch.shape[1] // 2])
         results[name + ", shorter input"] = {"eager": _gradients(eager), "planned": _gradients(rk)}
     return results
+
+
+def _fsdp_measured_replan(rank: int) -> dict:
+    """Per-block FSDP2, then Rockmate on its default measured profile: the first plan gathers
+    every sharded group whole to replay the step; a shorter input is then planned inside its
+    step on the first plan's times rescaled, which replays nothing, so the groups are gathered
+    one at a time for the trace, never whole (a model sharded because it does not fit whole)."""
+    model, sample = _gpt_with_loss()
+    batch = _batch(sample, rank)
+    eager = _shard_blocks(copy.deepcopy(model))
+    sharded = _shard_blocks(copy.deepcopy(model))
+    gathered_whole: list[bool] = []
+    planning = ShardedBlocks.planning
+
+    def recorded(self: ShardedBlocks, values: bool) -> object:
+        gathered_whole.append(values)
+        return planning(self, values)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ShardedBlocks, "planning", recorded)
+        rk = Rockmate(sharded, sample, BUDGET)
+        shorter = batch[:, : batch.shape[1] // 2]
+        with pytest.warns(UserWarning, match="planned for a new input"):
+            _step(rk, shorter)
+    _step(eager, shorter)
+    return {"eager": _gradients(eager), "planned": _gradients(rk), "gathered_whole": gathered_whole}
 
 
 def _fsdp_ranks_agree(rank: int) -> dict:
@@ -414,7 +440,7 @@ def _recomputes(rk: Rockmate) -> int:
 
 SCENARIOS = {"ddp": _ddp, "fsdp": _fsdp, "fsdp_first": _fsdp_then_rockmate, "fsdp_agree": _fsdp_ranks_agree,
              "fsdp_mixed": _fsdp_mixed_precision, "fsdp_setups": _fsdp_setups,
-             "refusals": _refusals,
+             "fsdp_measured": _fsdp_measured_replan, "refusals": _refusals,
              "collective": _collective_in_forward}
 
 
@@ -513,6 +539,13 @@ def test_rockmate_of_fsdp2_matches_eager_fsdp2_within_budget(ranks: list[dict], 
 @pytest.mark.parametrize("sharding", ["blocks", "root"])
 def test_rockmate_of_fsdp2_plans_a_new_input_inside_the_step(ranks: list[dict], sharding: str) -> None:
     _assert_same_gradients([r[sharding + ", shorter input"] for r in _scenario(ranks, "fsdp_first")])
+
+
+def test_rockmate_of_fsdp2_plans_a_new_input_on_measured_times_without_gathering_whole(ranks: list[dict]) -> None:
+    results = _scenario(ranks, "fsdp_measured")
+    for r in results:
+        assert r["gathered_whole"] == [True, False]  # the first plan replays the step; the new input does not
+    _assert_same_gradients(results)
 
 
 def test_ranks_run_rank_0s_plan_under_per_block_fsdp2(ranks: list[dict]) -> None:

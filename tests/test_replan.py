@@ -4,6 +4,7 @@ Rockmate survives pickling (its plans are made again, not saved)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import logging
 import pickle
@@ -124,7 +125,8 @@ def test_a_new_shape_is_planned_on_the_held_plans_times_rescaled(monkeypatch: py
     new shapes), found by where it is in the step, not by fx's numbering: planned at a batch of
     one, the graph has a multiplication less, and at a larger batch the doubling takes the
     tripling's name. The doubling, not in the held graph, takes its estimate on the held plan's
-    clock. A profile rescaled from another model's plan covers none of its graph: measured."""
+    clock. A profile rescaled from another model's plan covers none of its graph: measured, or
+    estimated where it says so."""
     import rkgraph
 
     replays = []
@@ -157,5 +159,9 @@ def test_a_new_shape_is_planned_on_the_held_plans_times_rescaled(monkeypatch: py
         factor = {n.name: clock if n.module == "0" else slower(n.module) for n in again.graph.nodes}
         assert again.times == pytest.approx({name: factor[name] * estimates[name] for name in factor})
     other = torch.nn.Sequential(torch.nn.Linear(32, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    Rockmate(other, _mlp(64), 1.0, profile=first.rescaled_times)
+    Rockmate(copy.deepcopy(other), _mlp(64), 1.0, profile=first.rescaled_times)
     assert len(replays) == 2
+    # Where the step's values cannot be replayed (sharded parameters not gathered): estimated.
+    estimated = Rockmate(other, _mlp(64), 1.0, profile=dataclasses.replace(first.rescaled_times, otherwise="estimate"))
+    assert len(replays) == 2
+    assert estimated.plan.times == rkgraph.estimated_times(estimated.plan.graph, estimated.plan.joint.module)
