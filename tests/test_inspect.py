@@ -120,13 +120,16 @@ def test_explain_lists_every_block_and_totals(planned: tuple[Rockmate, Path]) ->
     # it. Proving it runs MILPs under time limits, so the same floor proved again can come out
     # weaker on a busy machine: checked against the knapsacks' floor, which has no time limit.
     stated = re.search(r"\(proven: ([+-][0-9.]+)% over store-all\); this plan is ([0-9.]+)% above that", text)
+    assert stated, text
     floor = rk.store_all_time * (1 + float(stated[1]) / 100)
     knapsacks, _ = time_lower_bound(rk.graph, rk.schedule.budget, closure=False, intervals=False)
     assert knapsacks <= floor * 1.001 and floor <= rk.schedule.predicted_time * 1.001
     assert float(stated[2]) == pytest.approx(100 * (rk.schedule.predicted_time / floor - 1), abs=0.2)
-    # At 0.7 the budget costs recomputation: explain names the step that proves it, and where.
-    why = re.search(r"the floor comes from the tightest step: (at node .*)", text)[1]
-    assert "(forward" in why or "(backward" in why
+    # At 0.7 the budget costs recomputation: explain names the step that proves it, and where
+    # (where one step does: a chain of steps' MILP, when it ends in its time, can prove more).
+    tightest = re.search(r"the floor comes from the tightest step: (at node .*)", text)
+    assert tightest or "the floor comes from" not in text, text
+    assert tightest is None or "(forward" in tightest[1] or "(backward" in tightest[1]
 
 
 def test_explain_store_all_recomputes_nothing(gpt: zoo.ZooEntry) -> None:
