@@ -34,7 +34,8 @@ __all__ = [
     "REWRITES", "AllocatorEvents", "CaptureError", "ComputeNode", "DataNode", "JointGraph", "RematGraph",
     "RescaledTimes", "apply_rewrites", "build_graph", "capture", "capture_joint", "estimate_times",
     "estimated_times", "lean_rewrites", "lean_variant", "measure_op_scratch", "measure_scratch", "measure_times",
-    "node_keys", "profile_graph", "random_tangents", "share_profile", "split_into_blocks", "synthetic_times",
+    "node_keys", "profile_graph", "random_tangents", "replayed_times", "share_profile", "split_into_blocks",
+    "synthetic_times",
 ]
 
 
@@ -94,17 +95,27 @@ def profile_graph(
         for node in graph.nodes:
             node.time = float(mode[node.name])
     elif mode == "measure" and real_inputs is not None:
-        # The runtime plans inside AOTAutograd's trace, under its fake mode: tangents drawn
-        # there, and kernels run there, would be fake (times of dispatch, not of compute).
-        with unset_fake_temporarily():
-            try:
-                measure_times(graph, joint.module, [*real_inputs, *random_tangents(joint.module, device)])
-                measured = True
-            except torch.OutOfMemoryError:  # the store-everything replays do not fit
-                log.warning("node times estimated: the store-everything replay does not fit")
+        measured = replayed_times(graph, joint, real_inputs)
     if not measured and not isinstance(mode, Mapping):
         estimate_times(graph, joint.module, device)
     measure_op_scratch(graph, joint.module)
+
+
+def replayed_times(graph: RematGraph, joint: JointGraph, real_inputs: list[torch.Tensor]) -> bool:
+    """Set `graph`'s node times to those measured in replays of the step on `real_inputs` (the
+    primals; tangents drawn) (`measure_times`): `profile_graph`'s measured times, for a graph
+    costed already (a planner that needs them only once the budget is known to be worth
+    planning). False, the times left as they were, when the store-everything replay does not fit."""
+    device = next((t.device.type for t in real_inputs), "cpu")
+    # The runtime plans inside AOTAutograd's trace, under its fake mode: tangents drawn there,
+    # and kernels run there, would be fake (times of dispatch, not of compute).
+    with unset_fake_temporarily():
+        try:
+            measure_times(graph, joint.module, [*real_inputs, *random_tangents(joint.module, device)])
+            return True
+        except torch.OutOfMemoryError:  # the store-everything replays do not fit
+            log.warning("node times estimated: the store-everything replay does not fit")
+            return False
 
 
 def _profile_variant(graph: RematGraph, joint: JointGraph, measure: bool, reference: RematGraph) -> None:

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import torch
 
-from rkgraph import RescaledTimes, build_graph, profile_graph, split_into_blocks
+from rkgraph import RescaledTimes, build_graph, profile_graph, replayed_times, split_into_blocks
 from rkgraph.capture import JointGraph
 from rkgraph.graph import RematGraph
 from rkgraph.rewrites import lean_variant
@@ -48,7 +48,7 @@ from solvers import (
     solve_store_all,
     solver_options,
 )
-from solvers.bounds import budget_bounds, reachable_floor, time_lower_bound
+from solvers.bounds import budget_bounds, memory_lower_bound, reachable_floor, time_lower_bound
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,10 @@ def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = Pl
     Raises InfeasibleBudget, stating the smallest feasible budget, when nothing fits, and
     PlanMismatch when a plan file is for another graph."""
     progress.stage("profile")
-    graph = costed_graph(joint, real_inputs, options.profile, options)
+    # Measured times wait until the budget is known to need them: one the solver refuses on
+    # memory alone is refused without replaying the step (several steps' time).
+    replays = options.profile == "measure" and real_inputs is not None
+    graph = costed_graph(joint, real_inputs, "estimate" if replays else options.profile, options)
     if any(t.device.type == "cuda" for t in real_inputs or ()) and not cuda_blocks_fit_requests():
         warnings.warn("CUDA's caching allocator without expandable segments can give a tensor a larger "
                       "cached block than it asks for, so the measured peak can exceed the plan by a few "
@@ -133,6 +136,8 @@ def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = Pl
                       "used and the allocator's peak is the plan's", stacklevel=2)
     reference = solve_store_all(graph)
     budget = parse_budget(budget, reference.predicted_peak)
+    if replays and not _refused_on_memory(joint, graph, budget, options) and replayed_times(graph, joint, real_inputs):
+        reference = solve_store_all(graph)  # its time, on the measured times
     log.info("planning %s: %d nodes, budget %s (store-all peak %s)", graph.name, len(graph.nodes),
              format_bytes(budget), format_bytes(reference.predicted_peak))
     if reference.predicted_peak <= budget and fewest_chunks(
@@ -192,6 +197,20 @@ def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = Pl
 def _rescaled_times(graph: RematGraph, real_inputs: list[torch.Tensor] | None) -> RescaledTimes:
     """`Plan.rescaled_times` of autograd's costed graph, estimated for the device it was profiled on."""
     return RescaledTimes.of_graph(graph, graph.joint.module, next((t.device.type for t in real_inputs or []), "cpu"))
+
+
+def _refused_on_memory(joint: JointGraph, graph: RematGraph, budget: int, options: PlanOptions) -> bool:
+    """Whether the solver refuses `budget` whatever the node times, for autograd's graph and its
+    lean variant (both are planned before a refusal): below the least peak the portfolio's
+    searches reach (`reachable_floor`, where it refuses without searching), or for another
+    solver below any schedule's (`memory_lower_bound`)."""
+    if options.plan_file is not None:
+        return False
+    floor = reachable_floor if options.solver == DEFAULT_SOLVER else memory_lower_bound
+    if budget >= floor(graph)[0]:
+        return False
+    variant = lean_variant(joint) if options.lean_variant else None
+    return variant is None or budget < floor(costed_graph(variant, None, "estimate", options))[0]
 
 
 def _settled_by_lean_variant(graph: RematGraph, reference: Schedule, budget: int, options: PlanOptions,

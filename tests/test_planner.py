@@ -38,3 +38,38 @@ def test_unknown_solvers_and_options_are_refused_with_what_is_accepted() -> None
     with pytest.raises(ValueError, match="takes no option"):
         PlanOptions(solver="rockmate", solver_options={"timelimit": 3})
     check_solver("rockmate", {"time_limit": 3, "gap": 0.05})
+
+
+@pytest.mark.parametrize("solver", ["rockmate", "dtr"])
+def test_a_budget_refused_on_memory_alone_is_refused_without_replaying_the_step(
+        solver: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the measured profile, the step's replays (several steps' time) wait until the budget
+    is known to be worth planning: one below what the solver reaches on autograd's graph and on
+    its lean variant (the portfolio's searches; any schedule, for another solver) is refused
+    without them, with the message the estimated profile gives; a feasible one is planned on
+    measured times."""
+    import rkgraph
+    from rkgraph.capture import flat_tensors, flatten_call
+
+    replays = []
+
+    def measured(graph, joint, inputs, repeats=3):  # twice the estimate: told apart from estimated times
+        replays.append(graph)
+        rkgraph.estimate_times(graph, joint)
+        for node in graph.nodes:
+            node.time *= 2
+
+    monkeypatch.setattr(rkgraph, "measure_times", measured)
+    model, args, kwargs, _ = zoo.make("gpt", "tiny")
+    joint = capture_joint(model, args, kwargs)
+    real = flat_tensors(model, flatten_call(model, args, kwargs), args, kwargs)
+    refusals = []
+    for profile in ("measure", "estimate"):
+        with pytest.raises(InfeasibleBudget) as refused:
+            plan(joint, 0.1, PlanOptions(solver=solver, profile=profile), real)
+        refusals.append(str(refused.value))
+    assert not replays and refusals[0] == refusals[1]
+    planned = plan(joint, 0.9, PlanOptions(solver=solver), real)
+    assert len(replays) == 1
+    estimates = rkgraph.estimated_times(replays[0], joint.module)
+    assert planned.times == pytest.approx({name: 2 * seconds for name, seconds in estimates.items()})
