@@ -98,7 +98,7 @@ def estimate_times(graph: RematGraph, joint: fx.GraphModule, device: str = "cpu"
 
 
 # The share of a graph's estimated time whose nodes must be found in a held plan's graph for
-# that plan's times to be rescaled to it (`RescaledTimes`); below it, the graph is measured.
+# that plan's times to be rescaled to it (`RescaledTimes`); below it, the graph is profiled anew.
 # A rewrite can apply at one batch size and not another (the fused head and loss, a large share
 # of a language model's step): half leaves such steps rescaled, and another model measured.
 RESCALED_SHARE = 0.5
