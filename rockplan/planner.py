@@ -61,9 +61,10 @@ SETTLING_MARGIN = 1e-3
 
 
 class OutOfTime(InfeasibleBudget):
-    """The solver stopped without a schedule at a budget above the proven floor: one may exist,
-    and more time (or a larger budget) may find it; or, where the message says the budget is
-    below what its searches can reach (`BudgetBounds.reachable`), only a larger budget will."""
+    """The solver stopped without a schedule at a budget above the proven floor: one may exist.
+    Where it ran out of its time limit, more time (or a larger budget) may find it; where its
+    searches ended first, or where the message says the budget is below what its searches can
+    reach (`BudgetBounds.reachable`), only a larger budget will."""
 
 
 @dataclass(frozen=True)
@@ -395,8 +396,12 @@ def _refusal(graph: RematGraph, budget: int, options: PlanOptions, seconds: floa
                          f"below what schedules in autograd's order and plans of the chain of blocks can reach: "
                          f"{known}. Use a budget of at least {bounds.upper} bytes")
     limit = options.solver_options.get("time_limit", parameter.default)
-    stopped = "ran out of its time limit" if seconds >= limit else "stopped"
-    return OutOfTime(f"solver {options.solver!r} {stopped} ({seconds:.1f} s, time_limit={limit:g} s) without a "
-                     f"schedule within {budget} bytes ({format_bytes(budget)}); one may exist: {known}. Give it more "
-                     f"time with solver_options={{'time_limit': {max(2 * limit, 10 * seconds, 60):.0f}}}, or a budget "
-                     f"of at least {bounds.upper} bytes")
+    if seconds < limit:  # its searches ended before its time did: more of it is not what they lacked
+        return OutOfTime(f"solver {options.solver!r} stopped after {seconds:.1f} s, before its time limit "
+                         f"({limit:g} s), without a schedule within {budget} bytes ({format_bytes(budget)}): its "
+                         f"searches ended, not its time; one may exist: {known}. Use a budget of at least "
+                         f"{bounds.upper} bytes")
+    return OutOfTime(f"solver {options.solver!r} ran out of its time limit ({seconds:.1f} s, time_limit={limit:g} s) "
+                     f"without a schedule within {budget} bytes ({format_bytes(budget)}); one may exist: {known}. Give "
+                     f"it more time with solver_options={{'time_limit': {max(2 * limit, 10 * seconds, 60):.0f}}}, or a "
+                     f"budget of at least {bounds.upper} bytes")

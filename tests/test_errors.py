@@ -150,6 +150,18 @@ def test_a_solver_out_of_time_says_so_and_how_to_give_it_more() -> None:
     assert "a schedule is known from" in message and "too small" not in message, message
 
 
+def test_a_solver_whose_searches_end_before_its_time_asks_for_a_budget_not_more_time() -> None:
+    """A solver that stops well within its time limit without a schedule did not lack time:
+    the error says so and gives the budget a schedule is known from, not a larger time limit."""
+    model, args = _mlp_with_loss()
+    with pytest.raises(InfeasibleBudget) as refused:
+        Rockmate(model, args, 0.9, solver="saved_values", solver_options={"time_limit": 600, "attempts": 0},
+                 profile="estimate")
+    message = str(refused.value)
+    assert "before its time limit (600 s)" in message and "its searches ended, not its time" in message, message
+    assert "time_limit': " not in message and "Use a budget of at least" in message, message
+
+
 def test_a_solver_below_the_floor_states_the_floor_whatever_the_solver() -> None:
     model, args = _mlp_with_loss()
     with pytest.raises(InfeasibleBudget, match="too small: the smallest feasible budget") as refused:
