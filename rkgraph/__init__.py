@@ -132,13 +132,18 @@ def _profile_variant(graph: RematGraph, joint: JointGraph, measure: bool, refere
     same = {node.name: node.fx_nodes for node in graph.nodes}
     replaced = {node.name: node.time for node in reference.nodes if same.get(node.name) != node.fx_nodes}
     alone = synthetic_times(reference, reference.joint.module, replaced)
-    clock = sum(replaced[name] for name in alone) / sum(alone.values()) if sum(alone.values()) > 0 else 1.0
+    clock = _ratio(sum(replaced[name] for name in alone), sum(alone.values()))
     shared = [node for node in graph.nodes if node.name not in own]
-    estimated_clock = (sum(node.time for node in shared) / sum(estimates[node.name] for node in shared)
-                       if sum(estimates[node.name] for node in shared) > 0 else 1.0)
+    estimated_clock = _ratio(sum(node.time for node in shared), sum(estimates[node.name] for node in shared))
     for node in graph.nodes:
         if node.name in own:  # an op that cannot run on synthetic inputs: its estimate, on the reference's clock
             node.time = timed[node.name] * clock if node.name in timed else estimates[node.name] * estimated_clock
+
+
+def _ratio(seconds: float, per: float) -> float:
+    """`seconds` over `per`: how many seconds of one clock one of another is worth (1 with no
+    second of the other to compare)."""
+    return seconds / per if per > 0 else 1.0
 
 
 def capture(

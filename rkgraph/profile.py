@@ -561,16 +561,20 @@ def _op_seconds(target: torch._ops.OpOverload, signature: tuple, repeats: int) -
     except Exception as e:  # noqa: BLE001  (any failure: not timed, as documented)
         log.debug("%s not timed on synthetic inputs: %s", target, e)
     _op_time[signature] = seconds
-    while len(_op_time) > _OP_SCRATCH_HELD:
-        del _op_time[next(iter(_op_time))]
+    _held(_op_time)
     return seconds
+
+
+def joint_device(joint: fx.GraphModule) -> torch.device:
+    """The device of the joint graph's first tensor input, as traced (CPU when it has none)."""
+    return next((v.device for p in joint.graph.find_nodes(op="placeholder")
+                 if isinstance(v := p.meta.get("val"), torch.Tensor)), torch.device("cpu"))
 
 
 def _op_signatures(joint: fx.GraphModule) -> dict[str, tuple]:
     """The signature of each op of `joint` that can run on synthetic inputs, by fx node name,
     measuring the scratch of the signatures the cache lacks (`measure_op_scratch`)."""
-    device = next((v.device for p in joint.graph.find_nodes(op="placeholder")
-                   if isinstance(v := p.meta.get("val"), torch.Tensor)), torch.device("cpu"))
+    device = joint_device(joint)
     recorded: dict[tuple, str] = {}
     if device.type == "cuda":
         torch.cuda.init()  # before its generators are saved: draws on a fresh context restore too
@@ -580,9 +584,14 @@ def _op_signatures(joint: fx.GraphModule) -> dict[str, tuple]:
         for signature in recorded:  # unread: measured again next time, not held unmeasured
             _op_scratch.pop(signature, None)
         raise
-    while len(_op_scratch) > _OP_SCRATCH_HELD:
-        del _op_scratch[next(iter(_op_scratch))]
+    _held(_op_scratch)
     return signatures
+
+
+def _held(cache: dict) -> None:
+    """Drop a per-signature cache's oldest entries beyond `_OP_SCRATCH_HELD`."""
+    while len(cache) > _OP_SCRATCH_HELD:
+        del cache[next(iter(cache))]
 
 
 def _run_ops(joint: fx.GraphModule, device: torch.device, recorded: dict[tuple, str]) -> dict[str, tuple]:

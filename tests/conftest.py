@@ -22,6 +22,7 @@ from torch import fx
 
 import rkgraph
 from rkgraph.graph import RematGraph
+from rkgraph.profile import joint_device
 
 # CUDA tests measure with the allocator set as the README advises (read when CUDA is first used):
 # without expandable segments a cached block larger than the request counts whole.
@@ -48,9 +49,7 @@ def _frozen_node_times(request: pytest.FixtureRequest, monkeypatch: pytest.Monke
 
     def estimated_alone(graph: RematGraph, joint: fx.GraphModule, nodes: Iterable[str], repeats: int = 3) -> dict:
         timed = alone(graph, joint, nodes, repeats)  # the ops run as measured: only their times are replaced
-        device = next((v.device.type for p in joint.graph.find_nodes(op="placeholder")
-                       if isinstance(v := p.meta.get("val"), torch.Tensor)), "cpu")
-        seconds = rkgraph.estimated_times(graph, joint, device)
+        seconds = rkgraph.estimated_times(graph, joint, joint_device(joint).type)
         return {name: seconds[name] for name in timed}
 
     monkeypatch.setattr(rkgraph, "synthetic_times", estimated_alone)

@@ -139,13 +139,18 @@ def _mlp_with_loss() -> tuple[nn.Module, tuple]:
     return zoo.WithLoss(model, loss_fn), args
 
 
-def test_a_solver_out_of_time_says_so_and_how_to_give_it_more() -> None:
+def _saved_values_refusal(time_limit: float) -> str:
+    """The refusal of saved values making no attempt within `time_limit` seconds, at a budget
+    where a schedule exists."""
     model, args = _mlp_with_loss()
-    # No attempt within no time: the solver gives up at a budget where a schedule exists.
     with pytest.raises(InfeasibleBudget) as refused:
-        Rockmate(model, args, 0.9, solver="saved_values", solver_options={"time_limit": 0, "attempts": 0},
+        Rockmate(model, args, 0.9, solver="saved_values", solver_options={"time_limit": time_limit, "attempts": 0},
                  profile="estimate")
-    message = str(refused.value)
+    return str(refused.value)
+
+
+def test_a_solver_out_of_time_says_so_and_how_to_give_it_more() -> None:
+    message = _saved_values_refusal(0)  # no attempt within no time
     assert "ran out of its time limit" in message and "solver_options={'time_limit': " in message, message
     assert "a schedule is known from" in message and "too small" not in message, message
 
@@ -153,11 +158,7 @@ def test_a_solver_out_of_time_says_so_and_how_to_give_it_more() -> None:
 def test_a_solver_whose_searches_end_before_its_time_asks_for_a_budget_not_more_time() -> None:
     """A solver that stops well within its time limit without a schedule did not lack time:
     the error says so and gives the budget a schedule is known from, not a larger time limit."""
-    model, args = _mlp_with_loss()
-    with pytest.raises(InfeasibleBudget) as refused:
-        Rockmate(model, args, 0.9, solver="saved_values", solver_options={"time_limit": 600, "attempts": 0},
-                 profile="estimate")
-    message = str(refused.value)
+    message = _saved_values_refusal(600)
     assert "before its time limit (600 s)" in message and "its searches ended, not its time" in message, message
     assert "time_limit': " not in message and "Use a budget of at least" in message, message
 
