@@ -18,6 +18,7 @@ from rkgraph.profile import (
     RescaledTimes,
     estimate_times,
     estimated_times,
+    joint_device,
     measure_op_scratch,
     measure_scratch,
     measure_times,
@@ -71,10 +72,12 @@ def profile_graph(
     out too cheap: fused attentions and the packing and unpacking of masks take longer than the
     ops they stand for. An own node that cannot run on synthetic inputs takes its estimate on
     the reference's clock. Their scratch is measured op by op (`measure_op_scratch`)."""
+    # The device traced on, not the real inputs': a sharded or fake-tensor plan has none, and
+    # the variant must be estimated at the same speeds as its reference.
+    device = joint_device(joint.module).type
     if reference is not None:
-        _profile_variant(graph, joint, mode != "estimate", reference)
+        _profile_variant(graph, joint, mode != "estimate", reference, device)
         return
-    device = next((t.device.type for t in real_inputs or []), "cpu")
     measured = False
     if isinstance(mode, RescaledTimes):
         rescaled = mode.rescaled(graph, joint.module, device)
@@ -118,9 +121,10 @@ def replayed_times(graph: RematGraph, joint: JointGraph, real_inputs: list[torch
             return False
 
 
-def _profile_variant(graph: RematGraph, joint: JointGraph, measure: bool, reference: RematGraph) -> None:
-    """`profile_graph` for a variant of `reference`'s graph (see there)."""
-    estimate_times(graph, joint.module)
+def _profile_variant(graph: RematGraph, joint: JointGraph, measure: bool, reference: RematGraph,
+                     device: str) -> None:
+    """`profile_graph` for a variant of `reference`'s graph (see there), traced on `device`."""
+    estimate_times(graph, joint.module, device)
     estimates = {node.name: node.time for node in graph.nodes}
     own = set(share_profile(graph, reference))
     measure_op_scratch(graph, joint.module, own)

@@ -549,6 +549,28 @@ def test_a_variants_own_ops_are_timed_alone_on_the_references_clock(monkeypatch:
             assert node.time == pytest.approx(estimates[first] * clock if node.name == first else 1.0)
 
 
+def test_a_variant_is_estimated_at_its_references_device_speeds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the estimated profile, the lean variant's own nodes are estimated at the speeds of
+    the device the step was traced on, as the reference's nodes are: estimated at another
+    device's, a fused attention would be priced against the reference's ops at a CPU's speed on
+    a GPU (hundreds of times too dear) and the variant could hardly win there. The trace's
+    device is made to read as CUDA here, as no GPU is needed to price at its speeds."""
+    import rkgraph
+
+    monkeypatch.setattr(rkgraph, "joint_device", lambda joint: torch.device("cuda"))
+    torch.manual_seed(0)
+    model = zoo.GPT(vocab_size=128, block_size=256, n_layer=2, n_head=4, n_embd=32, dropout=0.1)
+    rk = Rockmate(model, ((torch.randint(0, 128, (2, 256)),), {}), 0.5, solver_options=SOLVER_OPTIONS,
+                  profile="estimate")
+    assert "attention fused" in rk.explain()
+    joint = rk.graph.joint.module
+    at_cuda, at_cpu = (rkgraph.estimated_times(rk.graph, joint, device) for device in ("cuda", "cpu"))
+    own = [n for n in rk.graph.nodes if n.op == "rkgraph.attention.default"]
+    assert own and all(at_cuda[n.name] < at_cpu[n.name] / 10 for n in own)
+    for node in rk.graph.nodes:
+        assert node.time == pytest.approx(at_cuda[node.name]), node.name
+
+
 def test_long_sequences_plan_with_attention_fused() -> None:
     """A GPT whose attention probabilities outweigh its activations (sequence 256, width 32):
     under a tight budget the plan runs the graph whose attention makes its probabilities again
