@@ -6,10 +6,15 @@ keeps the fastest schedule that fits:
   variants (evicting the stalest, the next used, the largest; keeping what random ops drew),
   the saved-values MILP, peak shaving, greedy checkpoints; run again, while none meets the
   floor, on the graph in backward orders that run a branch's last node beside the other
-  branch's (`solvers.backward_order`), their schedules replayed on the graph itself;
-- Rockmate's chain plan (`solvers.rockmate`): each distinct block solved by Checkmate's MILP
-  for a grid of budgets, one option per block chosen by rotor's dynamic program; and rotor's
-  own plan of whole blocks;
+  branch's (`solvers.backward_order`), their schedules replayed on the graph itself, where
+  the quick ones (DTR's, saved values) find faster schedules there;
+- where those searches found no schedule, Rockmate's chain plan (`solvers.rockmate`): each
+  distinct block solved by Checkmate's MILP for a grid of budgets, one option per block
+  chosen by rotor's dynamic program; and rotor's own plan of whole blocks. Its plans may run
+  a block's nodes out of autograd's order, so below the in-order floor they alone can fit;
+  where the heuristics found a schedule, its block MILPs (seconds to tens of seconds on
+  models of a few hundred nodes) did not improve on it on the zoo, Hugging Face or
+  launch-bound graphs, and are not run;
 - Checkmate's flat MILP (`solvers.ilp.solve_milp`), warm-started from the best of them, on graphs small
   enough for it or without a chain of blocks.
 
@@ -25,6 +30,7 @@ chain's own, `solvers.bounds.chain_order_floor`). Between them only the chain st
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 
@@ -50,17 +56,15 @@ from solvers.schedule import Schedule
 from solvers.simulate import InfeasibleBudget, InvalidSchedule, schedule_from_computes
 
 DTR_HEURISTICS = ("dtr", "next_use", "size")
+QUICK_SEARCHES = ("dtr", "saved_values")  # by schedule's solver: a fraction of a second on most graphs
 SHAVING_SHARE = 0.85  # of the time left after DTR: peak shaving (six starts), then greedy checkpoints
 GREEDY_SHARE = 0.1  # of the time limit, for greedy checkpoints when peak shaving wins
-# Of the heuristics' time, for each other backward order: they often meet the floor there at
-# once, and where they do not, the time is the chain's.
+# Of the heuristics' time, for each other backward order: where an order matters, they often
+# meet the floor there at once.
 REORDERED_SHARE = 0.5
 # A flat MILP's look shorter than this never improved a schedule found, and HiGHS's presolve
 # can run past its limit.
 FLAT_ILP_MIN_LOOK = 3.0  # seconds
-# The chain stage takes a while even when its MILPs get no time: when something already fits,
-# it needs this long and a fifth of the time limit left.
-CHAIN_MIN_TIME = 0.5  # seconds
 # The heuristics' time: HEURISTICS_TIME, and on larger graphs a second per HEURISTIC_NODES_PER_SECOND
 # nodes (within 0.8 of the time limit). A build of peak shaving is linear in the graph, and the
 # drops a tight budget needs grow with it: where every op costs about the same (a GPU step bound
@@ -72,10 +76,14 @@ HEURISTIC_NODES_PER_SECOND = 100
 
 
 def heuristic_candidates(graph: RematGraph, budget: int, time_limit: float,
-                         good_enough: float = 0.0, known: Sequence[Schedule] = ()) -> list[Schedule]:
+                         good_enough: float = 0.0, known: Sequence[Schedule] = (),
+                         to_beat: float = math.inf) -> list[Schedule]:
     """The schedules of DTR_HEURISTICS, saved values, peak shaving and greedy checkpoints that fit `budget`,
-    found within about `time_limit` seconds. The last two run only while the best so far takes
-    longer than `good_enough` (a proven floor plus the caller's gap).
+    found within about `time_limit` seconds. The others run only while the best so far takes
+    longer than `good_enough` (a proven floor plus the caller's gap), and only where DTR's and
+    saved values' schedules are faster than `to_beat` (theirs in another order of the same
+    graph's nodes), or none fits: an order that does not change what these quick searches
+    find did not change what the slower ones find, and those take seconds each.
 
     Peak shaving starts from DTR's and saved values' schedules (those that overshoot too) and
     from `known` checkpointing schedules that fit (the baselines): however slow a start, its
@@ -107,6 +115,8 @@ def heuristic_candidates(graph: RematGraph, budget: int, time_limit: float,
             found.append(schedule)
         else:
             overshooting.append(schedule)
+    if found and to_beat < math.inf and min(s.predicted_time for s in found) >= to_beat:
+        return found
     # Not the minimum-memory schedule (its hundreds of drops take the undo seconds, for
     # nothing): only known schedules that run at most the forward again, the checkpoints.
     once = sum(n.time for n in graph.nodes)
@@ -188,25 +198,30 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
         min_memory_joins(unless_slower_than=2 * sum(n.time for n in graph.nodes))  # a start of peak shaving
         # The heuristics first: they take a fraction of a second and often meet the floor, and
         # they beat the chain plan where the chain model is coarse.
+        searched: list[Schedule] = []  # the heuristics' schedules that fit
         if in_order:
             heuristics_time = max(HEURISTICS_TIME, len(graph.nodes) / HEURISTIC_NODES_PER_SECOND)
-            candidates += heuristic_candidates(graph, budget, time_limit=min(heuristics_time, 0.8 * time_limit),
-                                               good_enough=floor * (1 + gap), known=candidates)
-            # The same searches in other backward orders, where autograd's holds a branch's gradient long.
+            searched += heuristic_candidates(graph, budget, time_limit=min(heuristics_time, 0.8 * time_limit),
+                                             good_enough=floor * (1 + gap), known=candidates)
+            candidates += searched
+            # The same searches in other backward orders, where autograd's holds a branch's gradient
+            # long: searched further only where the quick searches find faster schedules in them.
+            quick = min((s.predicted_time for s in searched if s.solver in QUICK_SEARCHES), default=math.inf)
             for after in (False, True):
                 if searching() and (other := delayed_branches(graph, after)) is not None:
-                    candidates += in_graph_order(graph, heuristic_candidates(
+                    reordered = in_graph_order(graph, heuristic_candidates(
                         other, budget, time_limit=REORDERED_SHARE * min(heuristics_time, 0.8 * time_limit),
-                        good_enough=floor * (1 + gap)))
+                        good_enough=floor * (1 + gap), to_beat=quick))
+                    searched += reordered
+                    candidates += reordered
         if candidates:
             min_memory_joins(unless_slower_than=min(s.predicted_time for s in candidates))
         else:
             min_memory_joins()
         forward_blocks, _ = chain_blocks(graph)
-        time_left = time_limit - (time.perf_counter() - start)
-        chain_time = not candidates or time_left > max(CHAIN_MIN_TIME, 0.2 * time_limit)
-        if searching() and len(forward_blocks) > 1 and chain_time:
+        if searching() and not searched and len(forward_blocks) > 1:
             min_memory_joins()
+            time_left = time_limit - (time.perf_counter() - start)
             chained, found = chain_schedules(graph, budget, candidates, time_left, block_time_limit, slots)
             candidates += chained
             extra.update(found)
