@@ -57,6 +57,7 @@ from solvers.simulate import InfeasibleBudget, InvalidSchedule, schedule_from_co
 
 DTR_HEURISTICS = ("dtr", "next_use", "size")
 QUICK_SEARCHES = ("dtr", "saved_values")  # by schedule's solver: a fraction of a second on most graphs
+SUM_ROUNDING = 1e-9  # relative: far above a sum's rounding, far below any difference a choice turns on
 SHAVING_SHARE = 0.85  # of the time left after DTR: peak shaving (six starts), then greedy checkpoints
 GREEDY_SHARE = 0.1  # of the time limit, for greedy checkpoints when peak shaving wins
 # Of the heuristics' time, for each other backward order: where an order matters, they often
@@ -115,7 +116,8 @@ def heuristic_candidates(graph: RematGraph, budget: int, time_limit: float,
             found.append(schedule)
         else:
             overshooting.append(schedule)
-    if found and to_beat < math.inf and min(s.predicted_time for s in found) >= to_beat:
+    # (Within rounding: a schedule's time summed in another order differs in its last bits.)
+    if found and to_beat < math.inf and min(s.predicted_time for s in found) >= to_beat * (1 - SUM_ROUNDING):
         return found
     # Not the minimum-memory schedule (its hundreds of drops take the undo seconds, for
     # nothing): only known schedules that run at most the forward again, the checkpoints.
