@@ -137,7 +137,8 @@ def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = Pl
                       "used and the allocator's peak is the plan's", stacklevel=2)
     reference = solve_store_all(graph)
     budget = parse_budget(budget, reference.predicted_peak)
-    if replays and not _refused_on_memory(joint, graph, budget, options) and replayed_times(graph, joint, real_inputs):
+    lean = _LeanVariant(joint, graph, budget, options, real_inputs)
+    if replays and not _refused_on_memory(graph, budget, options, lean) and replayed_times(graph, joint, real_inputs):
         reference = solve_store_all(graph)  # its time, on the measured times
     log.info("planning %s: %d nodes, budget %s (store-all peak %s)", graph.name, len(graph.nodes),
              format_bytes(budget), format_bytes(reference.predicted_peak))
@@ -150,7 +151,6 @@ def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = Pl
     chosen: tuple[JointGraph, RematGraph, Schedule] | None = None
     failure: Exception | None = None
     considered: dict[str, float | str] = {}
-    lean = _LeanVariant(joint, graph, budget, options, real_inputs)
     progress.stage("solve")
     floor, settled = _settled_by_lean_variant(graph, reference, budget, options, lean)
     if settled is not None:
@@ -200,18 +200,20 @@ def _rescaled_times(graph: RematGraph, real_inputs: list[torch.Tensor] | None) -
     return RescaledTimes.of_graph(graph, graph.joint.module, next((t.device.type for t in real_inputs or []), "cpu"))
 
 
-def _refused_on_memory(joint: JointGraph, graph: RematGraph, budget: int, options: PlanOptions) -> bool:
+def _refused_on_memory(graph: RematGraph, budget: int, options: PlanOptions, lean: _LeanVariant) -> bool:
     """Whether the solver refuses `budget` whatever the node times, for autograd's graph and its
-    lean variant (both are planned before a refusal): below the least peak the portfolio's
-    searches reach (`reachable_floor`, where it refuses without searching), or for another
-    solver below any schedule's (`memory_lower_bound`)."""
-    if options.plan_file is not None:
+    lean variant (both are planned before a refusal; the variant costed on estimates only, kept
+    so for the refusal where it is refused too): below the least peak the portfolio's searches
+    reach (`reachable_floor`, where it refuses without searching), or for another solver below
+    any schedule's (`memory_lower_bound`)."""
+    if options.plan_file is not None or budget >= _memory_floor(graph, options):
         return False
-    floor = reachable_floor if options.solver == DEFAULT_SOLVER else memory_lower_bound
-    if budget >= floor(graph)[0]:
-        return False
-    variant = lean_variant(joint) if options.lean_variant else None
-    return variant is None or budget < floor(costed_graph(variant, None, "estimate", options))[0]
+    return not (options.lean_variant and lean.build(estimated=True)) or lean.refused()
+
+
+def _memory_floor(graph: RematGraph, options: PlanOptions) -> int:
+    """The budget below which `options.solver` refuses `graph` whatever its node times."""
+    return (reachable_floor if options.solver == DEFAULT_SOLVER else memory_lower_bound)(graph)[0]
 
 
 def _settled_by_lean_variant(graph: RematGraph, reference: Schedule, budget: int, options: PlanOptions,
@@ -254,28 +256,37 @@ class _LeanVariant:
         self.schedule: Schedule | None = None
         self.failure: Exception | None = None  # InfeasibleBudget from its solve
         self._solve_done = False
+        self._estimated = False  # costed on estimates only (`build`)
 
-    def build(self) -> bool:
+    def build(self, estimated: bool = False) -> bool:
         """Whether the joint graph has a lean variant; on the first call, derive it, cost it
         (a profile of its own ops) and prove its floor: seconds of work, done only when a
-        caller needs the variant."""
+        caller needs the variant. With `estimated`, costed on roofline estimates only and no
+        floor proven: enough to tell whether its budget is `refused` (memory alone decides),
+        and costed again by a later call without, unless it is refused."""
         if not self._made:
             self._made = True
             self.joint = lean_variant(self._of)
-            if self.joint is not None:
-                options = self._options
-                # Its own ops timed op by op on synthetic inputs, unless the reference's times are estimates.
-                progress.stage("profile the lean variant")
-                self.graph = costed_graph(self.joint, self._inputs,
-                                          "estimate" if options.profile == "estimate" else "measure", options,
-                                          shared=self._reference)
-                # Proven once: it says whether solving can pay, and the portfolio's search starts from
-                # it; not where the portfolio refuses the budget at once. The knapsacks' floor only:
-                # the portfolio proves the full one (its MILPs, a second or more) only when its search
-                # ends above this one, and a lean plan often meets it.
-                if self._budget >= reachable_floor(self.graph)[0]:
-                    self.floor = time_lower_bound(self.graph, self._budget, closure=False, intervals=False)
-        return self.joint is not None
+        if self.joint is None:
+            return False
+        if self.graph is None or (self._estimated and not estimated and not self.refused()):
+            options = self._options
+            # Its own ops timed op by op on synthetic inputs, unless the reference's times are estimates.
+            progress.stage("profile the lean variant")
+            profile = "estimate" if estimated or options.profile == "estimate" else "measure"
+            self.graph = costed_graph(self.joint, self._inputs, profile, options, shared=self._reference)
+            self._estimated = estimated
+            # Proven once: it says whether solving can pay, and the portfolio's search starts from
+            # it; not where the portfolio refuses the budget at once. The knapsacks' floor only:
+            # the portfolio proves the full one (its MILPs, a second or more) only when its search
+            # ends above this one, and a lean plan often meets it.
+            if not estimated and self._budget >= reachable_floor(self.graph)[0]:
+                self.floor = time_lower_bound(self.graph, self._budget, closure=False, intervals=False)
+        return True
+
+    def refused(self) -> bool:
+        """Whether the solver refuses the budget for the variant whatever its times (`_memory_floor`)."""
+        return self._budget < _memory_floor(self.graph, self._options)
 
     def solved(self, below: float | None) -> bool:
         """Whether it is solved (its `schedule`, or its `failure`), solving it now unless its

@@ -46,12 +46,16 @@ def test_a_budget_refused_on_memory_alone_is_refused_without_replaying_the_step(
     """With the measured profile, the step's replays (several steps' time) wait until the budget
     is known to be worth planning: one below what the solver reaches on autograd's graph and on
     its lean variant (the portfolio's searches; any schedule, for another solver) is refused
-    without them, with the message the estimated profile gives; a feasible one is planned on
-    measured times."""
+    without them, with the message the estimated profile gives, the lean variant derived once
+    and none of its ops timed; a feasible one is planned on measured times."""
     import rkgraph
+    import rockplan.planner
     from rkgraph.capture import flat_tensors, flatten_call
 
-    replays = []
+    replays, derived, timed = [], [], []
+    monkeypatch.setattr(rockplan.planner, "lean_variant",
+                        lambda joint: derived.append(joint) or rkgraph.lean_variant(joint))
+    monkeypatch.setattr(rkgraph, "synthetic_times", lambda graph, joint, nodes, repeats=3: timed.append(nodes) or {})
 
     def measured(graph, joint, inputs, repeats=3):  # twice the estimate: told apart from estimated times
         replays.append(graph)
@@ -68,7 +72,8 @@ def test_a_budget_refused_on_memory_alone_is_refused_without_replaying_the_step(
         with pytest.raises(InfeasibleBudget) as refused:
             plan(joint, 0.1, PlanOptions(solver=solver, profile=profile), real)
         refusals.append(str(refused.value))
-    assert not replays and refusals[0] == refusals[1]
+    assert not replays and not timed and refusals[0] == refusals[1]
+    assert len(derived) == 2  # once per plan
     planned = plan(joint, 0.9, PlanOptions(solver=solver), real)
     assert len(replays) == 1
     estimates = rkgraph.estimated_times(replays[0], joint.module)
