@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_page import PAGES, write_page  # noqa: E402  (beside this script, on its path)
 
-MODELS = ("mlp", "resnet", "gpt", "unet", "resnet50", "hf-gpt2", "t5-small", "bert", "llama",
-          "gpt2-l12", "gpt2-l24", "gpt2-l48")
+MODELS = ("mlp", "resnet", "gpt", "unet", "resnet50", "hf-gpt2", "t5-small", "bert", "llama", "roberta", "vit",
+          "swin-t", "efficientnet-b0", "hf-resnet50", "gpt2-l12", "gpt2-l24", "gpt2-l48")
 DEPTH_SERIES = {"gpt2-l12": 12, "gpt2-l24": 24, "gpt2-l48": 48}
 # The solve stage's parts, by the names `solvers.portfolio` and `rockplan.planner` call them:
 # (module, function) -> column. The planner proves floors outside the portfolio's call (autograd's
@@ -103,8 +103,20 @@ def _resnet50() -> tuple:
     return model, (x,), lambda logits, *_: F.cross_entropy(logits, labels)
 
 
+# Vision models users bring, as Hugging Face builds them from its default configs (ViT-base,
+# Swin-T, EfficientNet-B0, ResNet-50): (config class, model class), by name. They
+# train on IMAGES images of 224x224: at the text models' batch of 2 their parameters and
+# gradients alone are most of the step's peak.
+IMAGES = 8
+VISION = {"vit": ("ViTConfig", "ViTForImageClassification"),
+          "swin-t": ("SwinConfig", "SwinForImageClassification"),
+          "efficientnet-b0": ("EfficientNetConfig", "EfficientNetForImageClassification"),
+          "hf-resnet50": ("ResNetConfig", "ResNetForImageClassification")}
+
+
 def _hf(kind: str) -> tuple:
-    """Hugging Face models from configs (random weights, nothing downloaded), loss included."""
+    """Hugging Face models from configs (random weights, nothing downloaded), loss included:
+    batch 2 of 128 tokens, or IMAGES images."""
     import torch
     from torch import nn
 
@@ -123,6 +135,19 @@ def _hf(kind: str) -> tuple:
 
         model = BertForSequenceClassification(BertConfig())  # BERT-base's shape
         call = {"input_ids": ids, "labels": torch.zeros(batch, dtype=torch.long)}
+        options = {}
+    elif kind == "roberta":
+        from transformers import RobertaConfig, RobertaForSequenceClassification
+
+        model = RobertaForSequenceClassification(RobertaConfig(vocab_size=1000))  # RoBERTa-base's layers
+        call = {"input_ids": ids, "labels": torch.zeros(batch, dtype=torch.long)}
+        options = {}
+    elif kind in VISION:
+        import transformers
+
+        config_class, model_class = VISION[kind]
+        model = getattr(transformers, model_class)(getattr(transformers, config_class)())
+        call = {"pixel_values": torch.randn(IMAGES, 3, 224, 224), "labels": torch.zeros(IMAGES, dtype=torch.long)}
         options = {}
     else:  # a Llama-style decoder, small
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -151,7 +176,7 @@ def build(name: str) -> tuple:
 
     if name == "resnet50":
         model, sample, loss = _resnet50()
-    elif name in ("t5-small", "bert", "llama"):
+    elif name in ("t5-small", "bert", "llama", "roberta", *VISION):
         model, sample, loss = _hf(name)
     elif name == "hf-gpt2" or name in DEPTH_SERIES:
         model, sample, _, loss = zoo.make("hf_gpt2", "gpt2", n_layer=DEPTH_SERIES.get(name))
