@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections import Counter
@@ -754,3 +755,25 @@ def test_a_plan_above_the_callers_floor_has_it_proven_again_with_intervals(monke
     above = portfolio.solve_rockmate(graph, budget, time_limit=10, floor=low)
     assert len(proven) == 1 and proven[0].get("intervals", True)
     assert above.lower_bound == pytest.approx(min(time_lower_bound(graph, budget)[0], above.predicted_time))
+
+
+def test_the_chain_is_solved_only_where_the_heuristics_found_no_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the in-order heuristics found a schedule, the chain's block MILPs (seconds on a
+    model of a few hundred nodes) are not solved, even while the search is above the floor;
+    where they found none, the chain is tried. Its schedules never beat the heuristics' on the
+    zoo, Hugging Face or launch-bound graphs, and take their time from the plan."""
+    model, args, kwargs, _ = zoo.make("resnet", "tiny")
+    graph = rkgraph.capture(model, args, kwargs)
+    smallest = min_feasible_budget(graph)
+    budget = int(smallest + 0.4 * (solve_store_all(graph).predicted_peak - smallest))
+    chain_calls: list[int] = []
+    solve_chain = portfolio.chain_schedules
+    monkeypatch.setattr(portfolio, "chain_schedules",
+                        lambda *a, **k: chain_calls.append(a[1]) or solve_chain(*a, **k))
+    # No gap: the search goes on to the chain's turn unless a schedule meets the floor itself.
+    planned = portfolio.solve_rockmate(graph, budget, time_limit=10, gap=0.0)
+    assert chain_calls == [] and simulate(graph, planned, budget).peak <= budget
+    monkeypatch.setattr(portfolio, "heuristic_candidates", lambda *a, **k: [])
+    with contextlib.suppress(InfeasibleBudget):  # (whether the chain fits is not the question)
+        portfolio.solve_rockmate(graph, budget, time_limit=5, gap=0.0)
+    assert chain_calls == [budget]
