@@ -109,7 +109,7 @@ def replayed_times(graph: RematGraph, joint: JointGraph, real_inputs: list[torch
     primals; tangents drawn) (`measure_times`): `profile_graph`'s measured times, for a graph
     costed already (a planner that needs them only once the budget is known to be worth
     planning). False, the times left as they were, when the store-everything replay does not fit."""
-    device = next((t.device.type for t in real_inputs), "cpu")
+    device = joint_device(joint.module).type
     # The runtime plans inside AOTAutograd's trace, under its fake mode: tangents drawn there,
     # and kernels run there, would be fake (times of dispatch, not of compute).
     with unset_fake_temporarily():

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import torch
 
-from rkgraph import RescaledTimes, build_graph, profile_graph, replayed_times, split_into_blocks
+from rkgraph import RescaledTimes, build_graph, joint_device, profile_graph, replayed_times, split_into_blocks
 from rkgraph.capture import JointGraph
 from rkgraph.graph import RematGraph
 from rkgraph.rewrites import lean_variant
@@ -192,12 +192,14 @@ def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = Pl
                  100 * (schedule.lower_bound / reference.predicted_time - 1))
     return Plan(chosen_joint, chosen_graph, schedule, budget,
                 reference if chosen_graph is graph else solve_store_all(chosen_graph), reference,
-                {n.name: n.time for n in graph.nodes}, considered, _rescaled_times(graph, real_inputs))
+                {n.name: n.time for n in graph.nodes}, considered, _rescaled_times(graph))
 
 
-def _rescaled_times(graph: RematGraph, real_inputs: list[torch.Tensor] | None) -> RescaledTimes:
-    """`Plan.rescaled_times` of autograd's costed graph, estimated for the device it was profiled on."""
-    return RescaledTimes.of_graph(graph, graph.joint.module, next((t.device.type for t in real_inputs or []), "cpu"))
+def _rescaled_times(graph: RematGraph) -> RescaledTimes:
+    """`Plan.rescaled_times` of autograd's costed graph, estimated for the device it was traced on,
+    as `rkgraph.profile_graph` estimates the graphs it is rescaled to (a sharded plan has no
+    real inputs to tell it)."""
+    return RescaledTimes.of_graph(graph, graph.joint.module, joint_device(graph.joint.module).type)
 
 
 def _refused_on_memory(graph: RematGraph, budget: int, options: PlanOptions, lean: _LeanVariant) -> bool:
@@ -342,7 +344,7 @@ def reuse(joint: JointGraph, budget: int | float | str, options: PlanOptions, pr
                         predicted_time=result.time, extra={**old.extra, "reused": True})
     log.info("reused the held plan: peak %s within the budget of %s", format_bytes(result.peak), format_bytes(budget))
     return Plan(chosen_joint, chosen, schedule, budget, reference if variant is None else solve_store_all(chosen),
-                reference, {n.name: n.time for n in graph.nodes}, {}, _rescaled_times(graph, real_inputs))
+                reference, {n.name: n.time for n in graph.nodes}, {}, _rescaled_times(graph))
 
 
 def _structure(graph: RematGraph) -> tuple:
