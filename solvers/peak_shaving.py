@@ -109,7 +109,12 @@ class _Family:
                           if dn.producer is not None and d not in excluded and not dn.order_only
                           and not graph.node(dn.producer).random}
         self.built: dict[frozenset[Drop], _Trial | None] = {}
-        self.step_bytes = {n.name: sum(graph.data[d].size for d in n.outputs) + n.workspace for n in graph.nodes}
+        # Looked up by name in every build, thousands per search: held in plain dicts.
+        self.size = {d: dn.size for d, dn in graph.data.items()}
+        self.outputs = {n.name: n.outputs for n in graph.nodes}
+        self.times = {n.name: n.time for n in graph.nodes}
+        self.random = frozenset(n.name for n in graph.nodes if n.random)
+        self.step_bytes = {n.name: sum(self.size[d] for d in n.outputs) + n.workspace for n in graph.nodes}
 
     def build(self, drops: frozenset[Drop]) -> _Trial | None:
         """The family's schedule for `drops`, measured; None if it would recompute a random
@@ -119,7 +124,7 @@ class _Family:
         return self.built[drops]
 
     def _build(self, drops: frozenset[Drop]) -> _Trial | None:
-        graph = self.graph
+        graph, reads, outputs = self.graph, self.graph.reads, self.outputs
         computes: list[str] = []
         available: set[str] = set()
         discarded: dict[int, list[str]] = {}
@@ -130,18 +135,25 @@ class _Family:
             if r == self.nf:
                 forward_count = len(computes)
                 available.update(self.tangents)
-            available.difference_update(discarded.get(r, ()))
-            again = to_recompute(graph, node.inputs, available)
-            if any(graph.node(name).random for name in again):
-                return None
-            for name in (*again, node.name):
-                computes.append(name)
-                available.update(graph.node(name).outputs)
+            if r in discarded:
+                available.difference_update(discarded[r])
+            # (What `to_recompute` of all its inputs gives, asked only where one is missing.)
+            missing = [d for d in reads[node.name] if d not in available]
+            if missing:
+                again = to_recompute(graph, missing, available)
+                if not self.random.isdisjoint(again):
+                    return None
+                for name in again:
+                    computes.append(name)
+                    available.update(outputs[name])
+            computes.append(node.name)
+            available.update(node.outputs)
         ops, forward_length = free_at_last_use(graph, computes, forward_count)
         schedule = Schedule(ops, forward_length, solver=NAME, budget=self.budget)
         values, excess = self._steps(schedule)
         schedule.predicted_peak = max(values, default=0)
-        schedule.predicted_time = sum(graph.node(op.name).time for op in ops if op.kind == "compute")
+        times = self.times
+        schedule.predicted_time = sum([times[name] for kind, name in ops if kind == "compute"])
         return _Trial(drops, schedule, values, excess)
 
     def _steps(self, schedule: Schedule) -> tuple[list[int], int]:
@@ -149,43 +161,45 @@ class _Family:
         free), as `simulate` counts it, and the total excess of the computes over the budget.
         A twin of `simulate`'s accounting, without its checks: a trial built through `simulate`
         takes markedly longer, and only the schedule returned needs the referee."""
-        graph = self.graph
+        graph, size, outputs, budget = self.graph, self.size, self.outputs, self.budget
+        ops, forward_length = schedule.ops, schedule.forward_length
         # What the generated code holds beyond the data (generator states of draws made again,
         # copies of mutated buffers): without it a trial that fits here could overshoot in the
         # referee, and the search would end with nothing.
         held = held_by_code(graph, schedule)
         alive: set[str] = set()
         memory, values, excess = 0, [], 0
-        for i, op in enumerate(schedule.ops):
-            if i == schedule.forward_length and held is not None and held.copies:
-                memory += held.copies
-                excess += max(0, memory - self.budget)
-            if i == schedule.forward_length:
+        for i, (kind, name) in enumerate(ops):
+            if i == forward_length:
+                if held is not None and held.copies:
+                    memory += held.copies
+                    excess += max(0, memory - budget)
                 alive.update(self.tangents)
-                memory += sum(graph.data[d].size for d in self.tangents)
-                excess += max(0, memory - self.budget)
+                memory += sum(size[d] for d in self.tangents)
+                excess += max(0, memory - budget)
                 values.append(memory)  # the phase boundary, counted with the first backward op
-            if op.kind == "compute":
-                value = memory + self.step_bytes[op.name]
-                node = graph.node(op.name)
+            if kind == "compute":
+                value = memory + self.step_bytes[name]
+                node = graph.nodes[graph.index[name]]
                 if node.releases:
-                    stop = schedule.forward_length if i < schedule.forward_length else len(schedule.ops)
-                    value -= released_inside(graph, node, freed_with(schedule.ops, i, stop))
+                    stop = forward_length if i < forward_length else len(ops)
+                    value -= released_inside(graph, node, freed_with(ops, i, stop))
                 if held is not None:
                     memory += held.before.get(i, 0)
                     value += held.before.get(i, 0) + held.during.get(i, 0)
-                for d in node.outputs:
+                for d in outputs[name]:
                     if d not in alive:
                         alive.add(d)
-                        memory += graph.data[d].size
+                        memory += size[d]
                 if held is not None:
                     memory -= held.after.get(i, 0)
-                excess += max(0, value - self.budget)
+                if value > budget:
+                    excess += value - budget
             else:  # never above the step before it
-                alive.discard(op.name)
-                memory -= graph.data[op.name].size
+                alive.discard(name)
+                memory -= size[name]
                 value = memory
-            if i == schedule.forward_length:
+            if i == forward_length:
                 values[-1] = max(values[-1], value)
             else:
                 values.append(value)

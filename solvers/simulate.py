@@ -20,6 +20,8 @@ from rkgraph.graph import ComputeNode, RematGraph
 from rkgraph.units import format_bytes
 from solvers.schedule import Op, Schedule
 
+_op = tuple.__new__  # _op(Op, (kind, name)): an Op in half the time of its NamedTuple constructor
+
 
 class InvalidSchedule(ValueError):
     """The schedule cannot run on the graph (or does not fit its budget)."""
@@ -315,24 +317,32 @@ def free_at_last_use(graph: RematGraph, computes: Sequence[str], forward_count: 
     kept = [False] * m
     # (position, data, its last read or None, required at the boundary), last position first.
     lifetimes: list[tuple[int, str, int | None, bool]] = []
-    for p in reversed(range(m)):
+    # (The searches call this thousands of times per plan: its loops are written out, not
+    # generators, and its ops made without NamedTuple's constructor.)
+    for p in range(m - 1, -1, -1):
         name = computes[p]
         outputs = nodes[index[name]].outputs
-        # Kept when an output is read before it is made again, is a forward output made for
-        # the last time in the forward, or is kept to the end and made for the last time.
-        if not any(d in last_read or (d in fwd_out and p < forward_count <= next_def.get(d, m))
-                   or (d in keep_set and d not in next_def) for d in outputs):
+        # Kept when an output is read before it is made again, is kept to the end and made for
+        # the last time, or is a forward output made for the last time in the forward.
+        for d in outputs:
+            if (d in last_read or (d in keep_set and d not in next_def)
+                    or (d in fwd_out and p < forward_count <= next_def.get(d, m))):
+                break
+        else:
             continue
         kept[p] = True
         for d in reversed(outputs):
+            if d in held:
+                continue
             nxt = next_def.get(d, m)
-            if not (d in held or (d in keep_set and nxt == m)):
+            if not (d in keep_set and nxt == m):
                 lifetimes.append((p, d, last_read.get(d), d in fwd_out and p < forward_count <= nxt))
         for d in outputs:
             last_read.pop(d, None)
             next_def[d] = p
         for d in reads[name]:
-            last_read.setdefault(d, p)
+            if d not in last_read:
+                last_read[d] = p
     # Positions in the schedule without the dropped computations.
     rank = [0] * (m + 1)
     count = 0
@@ -350,21 +360,26 @@ def free_at_last_use(graph: RematGraph, computes: Sequence[str], forward_count: 
         if required_at_boundary and (last is None or rank[last] < forward_count):
             boundary_frees.append(d)
         else:
-            frees_after.setdefault(rank[p if last is None else last], []).append(d)
+            q = rank[p if last is None else last]
+            if q in frees_after:
+                frees_after[q].append(d)
+            else:
+                frees_after[q] = [d]
 
     m = len(kept_computes)
     ops: list[Op] = []
     forward_length = 0
     for p, name in enumerate(kept_computes):
         if p == forward_count:
-            ops.extend(Op("free", d) for d in boundary_frees)
-        ops.append(Op("compute", name))
-        if p in frees_after:
-            ops.extend([Op("free", d) for d in frees_after[p]])
+            ops.extend([_op(Op, ("free", d)) for d in boundary_frees])
+        ops.append(_op(Op, ("compute", name)))
+        freed = frees_after.get(p)
+        if freed is not None:
+            ops.extend([_op(Op, ("free", d)) for d in freed])
         if p == forward_count - 1:
             forward_length = len(ops)
     if forward_count == m:
-        ops.extend(Op("free", d) for d in boundary_frees)
+        ops.extend([_op(Op, ("free", d)) for d in boundary_frees])
     return ops, forward_length
 
 
