@@ -30,9 +30,11 @@ chain's own, `solvers.bounds.chain_order_floor`). Between them only the chain st
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from rkgraph.graph import RematGraph
 from rkgraph.units import format_bytes
@@ -148,6 +150,24 @@ def in_graph_order(graph: RematGraph, schedules: Sequence[Schedule]) -> list[Sch
     return replayed
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while the searches run (and on again after, if it
+    was). They make few reference cycles and millions of short-lived objects (the schedules they
+    replay), which set off collections that each walk every object of the process, the user's
+    model and the captured graphs included: in a planning process much of the time of peak
+    shaving's builds."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+@_collector_paused()
 def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slots: int = 500,
                    block_time_limit: float = 1.0, gap: float = 0.01,
                    floor: tuple[float, str] | None = None) -> Schedule:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import math
 from collections import Counter
@@ -777,3 +778,25 @@ def test_the_chain_is_solved_only_where_the_heuristics_found_no_schedule(monkeyp
     with contextlib.suppress(InfeasibleBudget):  # (whether the chain fits is not the question)
         portfolio.solve_rockmate(graph, budget, time_limit=5, gap=0.0)
     assert chain_calls == [budget]
+
+
+def test_the_portfolio_searches_with_the_garbage_collector_paused_and_gives_it_back() -> None:
+    """The searches run with Python's cyclic collector off (`solvers.portfolio`), and the caller
+    gets it back as it was: on after a plan and after a refusal, still off where it was off."""
+    graph = random_training_graph(3)
+    budget = budget_at(graph, 0.5)
+    seen: list[bool] = []
+    with pytest.MonkeyPatch.context() as patch:
+        bounds_of = portfolio.check_budget
+        patch.setattr(portfolio, "check_budget", lambda *a, **k: seen.append(gc.isenabled()) or bounds_of(*a, **k))
+        portfolio.solve_rockmate(graph, budget, time_limit=5)
+    assert seen and not any(seen) and gc.isenabled()
+    with pytest.raises(InfeasibleBudget):
+        portfolio.solve_rockmate(graph, 1)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        portfolio.solve_rockmate(graph, budget, time_limit=5)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
