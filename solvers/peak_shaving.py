@@ -55,7 +55,7 @@ REPAIR_SHARE = 0.5
 # pays), and after the last run the rest of the time limit, and the same again in each other
 # backward order the portfolio tries, found nothing on the Hugging Face models at tight budgets.
 PATIENCE_SHARE = 0.25
-PATIENCE_MIN = 1.0  # seconds
+PATIENCE_MIN = 0.5  # seconds
 Drop = tuple[str, int]  # (data node, index of the node whose stage discards it)
 
 
