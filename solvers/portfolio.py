@@ -62,7 +62,6 @@ QUICK_SEARCHES = ("dtr", "saved_values")  # by schedule's solver: a fraction of 
 SUM_ROUNDING = 1e-9  # relative: far above a sum's rounding, far below any difference a choice turns on
 SAVED_VALUES_LOOK = 0.5  # seconds, for the saved-values MILP where DTR already meets the floor
 SHAVING_SHARE = 0.85  # of the time left after DTR: peak shaving (six starts), then greedy checkpoints
-GREEDY_SHARE = 0.1  # of the time limit, for greedy checkpoints when peak shaving wins
 # Of the heuristics' time, for each other backward order: where an order matters, they often
 # meet the floor there at once.
 REORDERED_SHARE = 0.5
@@ -83,11 +82,12 @@ def heuristic_candidates(graph: RematGraph, budget: int, time_limit: float,
                          good_enough: float = 0.0, known: Sequence[Schedule] = (),
                          to_beat: float = math.inf) -> list[Schedule]:
     """The schedules of DTR_HEURISTICS, saved values, peak shaving and greedy checkpoints that fit `budget`,
-    found within about `time_limit` seconds. The others run only while the best so far takes
+    found within about `time_limit` seconds. Peak shaving runs only while the best so far takes
     longer than `good_enough` (a proven floor plus the caller's gap), and only where DTR's and
     saved values' schedules are faster than `to_beat` (theirs in another order of the same
     graph's nodes), or none fits: an order that does not change what these quick searches
-    find did not change what the slower ones find, and those take seconds each.
+    find did not change what the slower ones find, and those take seconds each. Greedy
+    checkpoints run only where nothing else fits, here or in the other order.
 
     Peak shaving starts from DTR's and saved values' schedules (those that overshoot too) and
     from `known` checkpointing schedules that fit (the baselines): however slow a start, its
@@ -130,15 +130,15 @@ def heuristic_candidates(graph: RematGraph, budget: int, time_limit: float,
     # nothing): only known schedules that run at most the forward again, the checkpoints.
     once = sum(n.time for n in graph.nodes)
     seeds = [*found, *overshooting, *(s for s in known if s.predicted_peak <= budget and s.predicted_time <= 2 * once)]
-    shaved = (searching() and attempt(solve_peak_shaving, good_enough=good_enough, seeds=seeds,
-                                      time_limit=SHAVING_SHARE * max(0.0, deadline - time.perf_counter()))
-              and min(found, key=lambda s: s.predicted_time).solver == "peak_shaving")
     if searching():
-        # Greedy checkpoints win near the smallest budgets, where peak shaving does not fit or
-        # DTR beats it; where peak shaving wins, greedy rarely helps, so it gets only a share of
-        # the time limit there.
-        left = max(0.0, deadline - time.perf_counter())
-        attempt(solve_greedy_checkpoints, time_limit=min(left, GREEDY_SHARE * time_limit) if shaved else left)
+        attempt(solve_peak_shaving, good_enough=good_enough, seeds=seeds,
+                time_limit=SHAVING_SHARE * max(0.0, deadline - time.perf_counter()))
+    if not found and to_beat == math.inf:
+        # Greedy checkpoints only where nothing else fits (here, nor in the caller's other
+        # order): where another search had found a schedule, theirs was never the fastest (the
+        # zoo's, Hugging Face's, launch-bound and Checkmate's graphs, budgets down to the
+        # smallest), and took up to seconds.
+        attempt(solve_greedy_checkpoints, time_limit=max(0.0, deadline - time.perf_counter()))
     return found
 
 
