@@ -172,3 +172,32 @@ class RematGraph:
         from rkgraph.render import render  # graphviz is imported only when drawing
 
         return render(self, path, **kw)
+
+
+def matching_nodes(held: RematGraph, graph: RematGraph) -> dict[str, str]:
+    """`held`'s node -> `graph`'s node that computes the same thing from the same values: the
+    same op of the same module, in the same phase, on inputs matched in turn (values without a
+    producer by name: parameters, buffers, inputs and tangents keep theirs), the k-th of
+    several such nodes to the k-th. The same step traced at another input shape gives the
+    same nodes under other names and, in the backward, at times in another order (autograd
+    ran a linear layer's two gradient products the other way round at another batch size),
+    so neither names nor positions match them. Nodes without a counterpart are left out."""
+    codes: dict[tuple, int] = {}  # one table for both graphs: equal structure, equal code
+
+    def coded(g: RematGraph) -> dict[tuple[int, int], str]:
+        value_code: dict[str, int] = {}
+        seen: dict[int, int] = {}
+        by_code = {}
+        for node in g.nodes:
+            inputs = tuple(value_code[d] if d in value_code else codes.setdefault(("value", d), len(codes))
+                           for d in node.inputs)
+            code = codes.setdefault((node.module, node.op, node.backward, inputs), len(codes))
+            occurrence = seen.get(code, 0)
+            seen[code] = occurrence + 1
+            by_code[code, occurrence] = node.name
+            for i, d in enumerate(node.outputs):
+                value_code[d] = codes.setdefault(("output", code, occurrence, i), len(codes))
+        return by_code
+
+    mine, theirs = coded(held), coded(graph)
+    return {name: theirs[key] for key, name in mine.items() if key in theirs}

@@ -145,7 +145,9 @@ class Rockmate(nn.Module):
     INFO after ("error" for `on_new_input` refuses it instead). With a measured profile, that
     plan takes the held plan's node times, rescaled to the new shapes by how their roofline
     estimates grow (`rkgraph.RescaledTimes`): no replays of the step, which would cost several
-    steps at every new input; a step whose graph differs is measured anew. With "reuse", a held plan runs the
+    steps at every new input; a step whose graph differs is measured anew. The solver starts
+    from the held plan's schedule on the new graph and stops within its gap of the held plan's
+    distance to its proven floor (`rockplan.planner._solve`). With "reuse", a held plan runs the
     new input when its graph is the same up to sizes and the simulator finds the plan within the
     budget there: give the largest input as the sample, and smaller ones are captured but not
     solved (they recompute what a plan of their own might keep). The `max_plans` most recently used
@@ -338,9 +340,11 @@ class Rockmate(nn.Module):
             if self.backend == "inductor":
                 seed_random_ops(joint_module)
             joint = apply_rewrites(joint_graph(flat, joint_module, num_fwd_outputs))
-            held = [s.plan for s in reversed(self._steps.values())] if self.on_new_input == "reuse" else []
-            reused = (reuse(joint, budget, options, p, real) for p in held)
-            planned.append(next(filter(None, reused), None) or plan(joint, budget, options, real))
+            held = [s.plan for s in reversed(self._steps.values())]
+            reused = (reuse(joint, budget, options, p, real) for p in (held if self.on_new_input == "reuse" else ()))
+            # Planned anew, from the latest plan where it is the same step at other shapes.
+            planned.append(next(filter(None, reused), None)
+                           or plan(joint, budget, options, real, held=next(iter(held), None)))
             if self._sharded is not None:
                 planned[0] = self._sharded.agree(planned[0], joint, budget, options, real)
             progress.stage("generate")

@@ -31,7 +31,7 @@ import torch
 
 from rkgraph import RescaledTimes, build_graph, joint_device, profile_graph, replayed_times, split_into_blocks
 from rkgraph.capture import JointGraph
-from rkgraph.graph import RematGraph
+from rkgraph.graph import RematGraph, matching_nodes
 from rkgraph.rewrites import lean_variant
 from rkgraph.rewrites.linear_cross_entropy import fewest_chunks
 from rkgraph.units import format_bytes
@@ -49,6 +49,7 @@ from solvers import (
     solver_options,
 )
 from solvers.bounds import budget_bounds, memory_lower_bound, reachable_floor, time_lower_bound
+from solvers.schedule import Op
 
 log = logging.getLogger(__name__)
 
@@ -118,11 +119,14 @@ def check_solver(solver: str, options: Mapping[str, Any]) -> None:
 
 
 def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = PlanOptions(),
-         real_inputs: list[torch.Tensor] | None = None) -> Plan:
+         real_inputs: list[torch.Tensor] | None = None, held: Plan | None = None) -> Plan:
     """The fastest schedule found for `joint` (as `rkgraph.capture_joint` returns it, rewritten
     by `rkgraph.rewrites.apply_rewrites`) within `budget` (bytes, a size string, or a ratio
     of the store-everything peak of autograd's graph). `real_inputs` (the primals: parameters,
     buffers, inputs) are what measured profiles run on; without them times are estimated.
+    `held`: a plan of the same step at other input shapes (a replan): its schedule, replayed
+    on the graph it matches, is where the default solver starts, and its search ends within
+    its gap of the held plan's own distance to its floor (`_solve`).
     Raises InfeasibleBudget, stating the smallest feasible budget, when nothing fits, and
     PlanMismatch when a plan file is for another graph."""
     progress.stage("profile")
@@ -137,7 +141,7 @@ def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = Pl
                       "used and the allocator's peak is the plan's", stacklevel=2)
     reference = solve_store_all(graph)
     budget = parse_budget(budget, reference.predicted_peak)
-    lean = _LeanVariant(joint, graph, budget, options, real_inputs)
+    lean = _LeanVariant(joint, graph, budget, options, real_inputs, held)
     if replays and not _refused_on_memory(graph, budget, options, lean) and replayed_times(graph, joint, real_inputs):
         reference = solve_store_all(graph)  # its time, on the measured times
     log.info("planning %s: %d nodes, budget %s (store-all peak %s)", graph.name, len(graph.nodes),
@@ -159,7 +163,7 @@ def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = Pl
         chosen = (lean.joint, lean.graph, lean.schedule)
     else:
         try:
-            chosen = (joint, graph, _solve(graph, budget, options, floor))
+            chosen = (joint, graph, _solve(graph, budget, options, floor, held))
         except (InfeasibleBudget, PlanMismatch) as e:
             failure = e
     # A plan file that matched autograd's graph leaves nothing to choose.
@@ -248,9 +252,9 @@ class _LeanVariant:
     once) and after (where autograd's plan recomputes)."""
 
     def __init__(self, joint: JointGraph, graph: RematGraph, budget: int, options: PlanOptions,
-                 real_inputs: list[torch.Tensor] | None) -> None:
+                 real_inputs: list[torch.Tensor] | None, held: Plan | None = None) -> None:
         self._of, self._reference, self._budget = joint, graph, budget
-        self._options, self._inputs = options, real_inputs
+        self._options, self._inputs, self._held = options, real_inputs, held
         self._made = False
         self.joint: JointGraph | None = None
         self.graph: RematGraph | None = None
@@ -300,7 +304,7 @@ class _LeanVariant:
             progress.stage("solve the lean variant")
             floor = self.floor if "floor" in solver_options(self._options.solver) else None
             try:
-                self.schedule = _solve(self.graph, self._budget, self._options, floor)
+                self.schedule = _solve(self.graph, self._budget, self._options, floor, self._held)
             except InfeasibleBudget as e:
                 self.failure = e
             except PlanMismatch:
@@ -365,15 +369,29 @@ def costed_graph(joint: JointGraph, real_inputs: list[torch.Tensor] | None, prof
 
 
 def _solve(graph: RematGraph, budget: int, options: PlanOptions,
-           floor: tuple[float, str] | None = None) -> Schedule:
+           floor: tuple[float, str] | None = None, held: Plan | None = None) -> Schedule:
     """The schedule for `graph` within `budget` (or the plan file's), replayed by the simulator:
-    never run an unchecked plan. `floor`: the graph's proven floor, when already computed."""
+    never run an unchecked plan. `floor`: the graph's proven floor, when already computed.
+
+    `held`: a plan of the same step at other shapes (a replan). Where its graph is `graph`'s
+    at other sizes, its schedule replayed here is a start of the solver's search (one a little
+    over the budget is repaired in a few steps) and, unless the caller set the solver's gap,
+    the search ends within that gap of the held plan's own distance to its floor: a full
+    search found no nearer for that plan, and a replan is planning time paid again at every
+    new shape."""
     if options.plan_file is not None:
         schedule = load_plan(options.plan_file, graph)
     else:
         given = dict(options.solver_options)
-        if floor is not None and "floor" in solver_options(options.solver):
+        accepted = solver_options(options.solver)
+        if floor is not None and "floor" in accepted:
             given.setdefault("floor", floor)
+        start = _held_start(held, graph) if "known" in accepted else None
+        if start is not None:
+            given.setdefault("known", [start])
+            if "gap" in accepted and "gap" not in options.solver_options and held.schedule.gap:
+                default = inspect.signature(RUNTIME_SOLVERS[options.solver]).parameters["gap"].default
+                given["gap"] = default + held.schedule.gap
         started = time.perf_counter()
         try:
             schedule = RUNTIME_SOLVERS[options.solver](graph, budget, **given)
@@ -387,6 +405,35 @@ def _solve(graph: RematGraph, budget: int, options: PlanOptions,
             f"{result.peak} bytes ({format_bytes(result.peak)}), what the generated code holds included "
             f"(copies of mutated buffers, recorded generator states)")
     return schedule
+
+
+def _held_start(held: Plan | None, graph: RematGraph) -> Schedule | None:
+    """`held`'s schedule on `graph`, where that is the held plan's step at other input shapes:
+    each node renamed to the one that computes the same there (`rkgraph.graph.matching_nodes`),
+    each value to the same output of the renamed node, and replayed by the simulator. None
+    where a node or value has no counterpart or the schedule does not run on `graph`. Its peak
+    may be over the budget: it is a start of the search, not a plan."""
+    if held is None:
+        return None
+    matched = matching_nodes(held.graph, graph)
+    renamed = {node.name: matched.get(node.name) for node in held.graph.nodes}
+    values: dict[str, str] = {}
+    for node in held.graph.nodes:
+        if (new := renamed[node.name]) is not None and len(outputs := graph.node(new).outputs) == len(node.outputs):
+            values.update(zip(node.outputs, outputs))
+    ops = []
+    for op in held.schedule.ops:
+        name = (renamed if op.kind == "compute" else values).get(op.name)
+        if name is None:
+            return None
+        ops.append(Op(op.kind, name))
+    start = Schedule(ops, held.schedule.forward_length, solver="held_plan")
+    try:
+        result = simulate(graph, start)
+    except InvalidSchedule:
+        return None
+    start.predicted_peak, start.predicted_time = result.peak, result.time
+    return start
 
 
 def _refusal(graph: RematGraph, budget: int, options: PlanOptions, seconds: float) -> InfeasibleBudget:

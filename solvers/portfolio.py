@@ -80,7 +80,7 @@ HEURISTIC_NODES_PER_SECOND = 150
 
 def heuristic_candidates(graph: RematGraph, budget: int, time_limit: float,
                          good_enough: float = 0.0, known: Sequence[Schedule] = (),
-                         to_beat: float = math.inf) -> list[Schedule]:
+                         to_beat: float = math.inf, starts: Sequence[Schedule] = ()) -> list[Schedule]:
     """The schedules of DTR_HEURISTICS, saved values, peak shaving and greedy checkpoints that fit `budget`,
     found within about `time_limit` seconds. Peak shaving runs only while the best so far takes
     longer than `good_enough` (a proven floor plus the caller's gap), and only where DTR's and
@@ -89,10 +89,11 @@ def heuristic_candidates(graph: RematGraph, budget: int, time_limit: float,
     find did not change what the slower ones find, and those take seconds each. Greedy
     checkpoints run only where nothing else fits, here or in the other order.
 
-    Peak shaving starts from DTR's and saved values' schedules (those that overshoot too) and
-    from `known` checkpointing schedules that fit (the baselines): however slow a start, its
-    drops may lead elsewhere. On some graphs, shaving the schedule that checkpoints every block
-    reaches the proven floor where shaving DTR's, a far faster start, stops above it."""
+    Peak shaving starts from DTR's and saved values' schedules (those that overshoot too),
+    from `starts` whatever their peak (a replan's held plan), and from `known` checkpointing
+    schedules that fit (the baselines): however slow a start, its drops may lead elsewhere.
+    On some graphs, shaving the schedule that checkpoints every block reaches the proven floor
+    where shaving DTR's, a far faster start, stops above it."""
     deadline = time.perf_counter() + time_limit
     found = []
 
@@ -129,7 +130,8 @@ def heuristic_candidates(graph: RematGraph, budget: int, time_limit: float,
     # Not the minimum-memory schedule (its hundreds of drops take the undo seconds, for
     # nothing): only known schedules that run at most the forward again, the checkpoints.
     once = sum(n.time for n in graph.nodes)
-    seeds = [*found, *overshooting, *(s for s in known if s.predicted_peak <= budget and s.predicted_time <= 2 * once)]
+    seeds = [*found, *overshooting, *(s for s in known if s.predicted_peak <= budget and s.predicted_time <= 2 * once),
+             *starts]
     if searching():
         attempt(solve_peak_shaving, good_enough=good_enough, seeds=seeds,
                 time_limit=SHAVING_SHARE * max(0.0, deadline - time.perf_counter()))
@@ -175,7 +177,7 @@ def _collector_paused() -> Iterator[None]:
 @_collector_paused()
 def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slots: int = 500,
                    block_time_limit: float = 1.0, gap: float = 0.01,
-                   floor: tuple[float, str] | None = None) -> Schedule:
+                   floor: tuple[float, str] | None = None, known: Sequence[Schedule] = ()) -> Schedule:
     """Fastest schedule found within `budget` bytes, in about `time_limit` seconds (more only
     when nothing fits yet); `block_time_limit` bounds the MILP solves of one distinct block.
     The search stops as soon as a schedule is within `gap` (relative) of the proven floor on
@@ -183,6 +185,9 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
     caller has it (computed here otherwise). A search that ends above `floor` by more than the
     gap proves the floor again in full, with `time_lower_bound`'s MILPs, which a caller's floor
     may lack (they cost a second or more, paid only where the plan leaves a gap to explain).
+    `known`: schedules of `graph` to start from, whatever their peak (a replan's held plan,
+    `rockplan.planner`): those that fit are candidates at once, and each is a start of peak
+    shaving, which repairs one a little over the budget in a few builds.
     Raises InfeasibleBudget, with the smallest feasible budget in the message, when nothing fits."""
     start = time.perf_counter()
     bounds = check_budget(graph, budget)
@@ -192,7 +197,7 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
     given_floor = floor is not None
     floor, floor_reason = time_lower_bound(graph, budget) if floor is None else floor
     store_all = bounds.baselines[0]
-    candidates = [s for s in bounds.baselines if s.predicted_peak <= budget]
+    candidates = [s for s in (*bounds.baselines, *known) if s.predicted_peak <= budget]
     extra: dict[str, object] = {}
     # The minimum-memory schedule (quadratic in depth) joins the candidates, at its place after
     # the baselines, only where it may matter: where storing everything fits, unless it is
@@ -226,10 +231,11 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
         # The heuristics first: they take a fraction of a second and often meet the floor, and
         # they beat the chain plan where the chain model is coarse.
         searched: list[Schedule] = []  # the heuristics' schedules that fit
-        if in_order:
+        # (A known schedule within the gap already, a replan's held plan, ends the search here.)
+        if in_order and not any(s.predicted_peak <= budget and s.predicted_time <= floor * (1 + gap) for s in known):
             heuristics_time = max(HEURISTICS_TIME, len(graph.nodes) / HEURISTIC_NODES_PER_SECOND)
             searched += heuristic_candidates(graph, budget, time_limit=min(heuristics_time, 0.8 * time_limit),
-                                             good_enough=floor * (1 + gap), known=candidates)
+                                             good_enough=floor * (1 + gap), known=candidates, starts=known)
             candidates += searched
             # The same searches in other backward orders, where autograd's holds a branch's gradient
             # long: searched further only where the quick searches find faster schedules in them.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import io
 import logging
 import pickle
@@ -12,7 +13,10 @@ import pickle
 import pytest
 import torch
 
+from rkgraph import node_keys
+from rkgraph.graph import ComputeNode, DataNode, RematGraph, matching_nodes
 from rockplan import Rockmate, zoo
+from solvers import RUNTIME_SOLVERS, Schedule
 
 
 def _mlp(batch: int) -> torch.Tensor:
@@ -165,3 +169,70 @@ def test_a_new_shape_is_planned_on_the_held_plans_times_rescaled(monkeypatch: py
     estimated = Rockmate(other, _mlp(64), 1.0, profile=dataclasses.replace(first.rescaled_times, otherwise="estimate"))
     assert len(replays) == 2
     assert estimated.plan.times == rkgraph.estimated_times(estimated.plan.graph, estimated.plan.joint.module)
+
+
+def _two_products(rename: str, weight_first: bool) -> RematGraph:
+    """A linear layer's backward as autograd writes it: the input's gradient (from the weight)
+    and the weight's (from the input), two products of one op; names suffixed with `rename`,
+    the weight's gradient made first where `weight_first`."""
+    def n(name: str) -> str:
+        return name + rename if name not in {"x", "w", "tangent"} else name
+
+    data = {d: DataNode(d, 8, kind) for d, kind in (("x", "input"), ("w", "param"), ("tangent", "tangent"))}
+    nodes = [ComputeNode(n("mm"), ("x", "w"), (n("y"),), op="aten.mm.default", module="linear")]
+    grad_input = ComputeNode(n("mm_a"), ("tangent", "w"), (n("gx"),), backward=True, op="aten.mm.default",
+                             module="linear")
+    grad_weight = ComputeNode(n("mm_b"), ("tangent", "x"), (n("gw"),), backward=True, op="aten.mm.default",
+                              module="linear")
+    nodes += [grad_weight, grad_input] if weight_first else [grad_input, grad_weight]
+    for node in nodes:
+        for d in node.outputs:
+            data[d] = DataNode(d, 8, producer=node.name)
+    return RematGraph(nodes, data, (n("y"),), (n("gx"), n("gw")), user_outputs=(n("y"),))
+
+
+def test_a_held_graphs_nodes_are_matched_by_what_they_compute_not_by_name_or_place() -> None:
+    """At another batch size the same step is traced under other names, and autograd may run a
+    layer's two gradient products the other way round: each node is matched to the one that
+    computes the same op of the same module from matched inputs."""
+    held, here = _two_products("", weight_first=False), _two_products("_7", weight_first=True)
+    assert [n.name for n in here.nodes] == ["mm_7", "mm_b_7", "mm_a_7"]
+    assert matching_nodes(held, here) == {"mm": "mm_7", "mm_a": "mm_a_7", "mm_b": "mm_b_7"}
+    # Positions alone would pair the input's gradient with the weight's.
+    assert node_keys(held)["mm_a"] == node_keys(here)["mm_b_7"]
+
+
+def test_a_new_shape_is_planned_from_the_held_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planned anew for a new input signature, the default solver gets the held plan's schedule
+    on the new graph as a start, and ends its search within its gap of the held plan's own
+    distance to its floor: a replan pays planning time again at every new shape."""
+    model, (idx,), _, _ = zoo.make("gpt", "tiny")
+    rk = Rockmate(model, idx, 0.5, profile="estimate")
+    first = rk.plan
+    assert first.schedule.gap is not None
+    calls = []
+    solve = RUNTIME_SOLVERS["rockmate"]
+
+    @functools.wraps(solve)
+    def recorded(graph: RematGraph, budget: int, **options: object) -> Schedule:
+        calls.append(options)
+        return solve(graph, budget, **options)
+
+    monkeypatch.setitem(RUNTIME_SOLVERS, "rockmate", recorded)
+    with pytest.warns(UserWarning, match="planned for a new input"):
+        rk(idx[:, : idx.shape[1] - 8]).sum().backward()
+    # (The plan held may be the lean variant's: its graph's solve starts from it.)
+    started = [options for options in calls if options.get("known")]
+    (start,) = started[-1]["known"]
+    assert start.solver == "held_plan" and len(start.ops) == len(first.schedule.ops)
+    assert [op.kind for op in start.ops] == [op.kind for op in first.schedule.ops]
+    assert started[-1]["gap"] == pytest.approx(0.01 + first.schedule.gap)
+    again = rk.plan
+    assert again is not first and again.schedule.predicted_peak <= again.budget
+    # A caller's own gap is the caller's.
+    calls.clear()
+    rk = Rockmate(copy.deepcopy(model), idx, 0.5, profile="estimate", solver_options={"gap": 0.0, "time_limit": 3})
+    with pytest.warns(UserWarning, match="planned for a new input"):
+        rk(idx[:, : idx.shape[1] - 8]).sum().backward()
+    started = [options for options in calls if options.get("known")]
+    assert started and all(options["gap"] == 0.0 for options in started)

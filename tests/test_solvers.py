@@ -800,3 +800,28 @@ def test_the_portfolio_searches_with_the_garbage_collector_paused_and_gives_it_b
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_known_schedule_ends_the_search_near_the_floor_and_is_a_start_above_the_budget(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A schedule the caller knows (a replan's held plan): within the gap of the floor it ends
+    the search before any heuristic runs; over the budget it is a start of peak shaving, which
+    repairs it."""
+    model, args, kwargs, _ = zoo.make("resnet", "tiny")
+    graph = rkgraph.capture(model, args, kwargs)
+    budget = budget_at(graph, 0.6)
+    planned = portfolio.solve_rockmate(graph, budget, time_limit=10)
+    assert planned.gap is not None and planned.predicted_peak > min_feasible_budget(graph)
+    known = Schedule(planned.ops, planned.forward_length, solver="held_plan",
+                     predicted_peak=planned.predicted_peak, predicted_time=planned.predicted_time)
+    searched = []
+    heuristics = portfolio.heuristic_candidates
+    monkeypatch.setattr(portfolio, "heuristic_candidates", lambda *a, **k: searched.append(a) or heuristics(*a, **k))
+    again = portfolio.solve_rockmate(graph, budget, time_limit=10, gap=planned.gap + 0.01, known=[known])
+    assert searched == [] and again.extra["schedule_from"] == "held_plan"
+    assert again.predicted_time == planned.predicted_time
+    seeds = []
+    shave = portfolio.solve_peak_shaving
+    monkeypatch.setattr(portfolio, "solve_peak_shaving", lambda *a, **k: seeds.append(k["seeds"]) or shave(*a, **k))
+    tighter = portfolio.solve_rockmate(graph, planned.predicted_peak - 1, time_limit=10, gap=0.0, known=[known])
+    assert searched and any(known in given for given in seeds) and tighter.predicted_peak < planned.predicted_peak
