@@ -26,10 +26,13 @@ def _set_rng_state(device: torch.device, state: torch.Tensor) -> None:
         torch.set_rng_state(state)
 
 
-def replay(state: torch.Tensor, device: torch.device, op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
+def replay(state: torch.Tensor, device: torch.device, op: torch._ops.OpOverload, /, *args: Any,
+           **kwargs: Any) -> Any:
     """Run the random op `op` (`torch.ops.rkgraph.dropout_mask.default`) as it ran when `state`
     was recorded. fx prints an op argument as its qualified name, so the generated code stays
-    source; the op is called through its C++ entry point, as `codegen.bound_op` calls the others."""
+    source; the op is called through its C++ entry point, as `codegen.bound_op` calls the others.
+    Its own parameters are positional only: the op's keywords (`aten.rand`'s `device`, as a
+    drop path draws it) are the op's."""
     current = rng_state(device)
     _set_rng_state(device, state)
     try:

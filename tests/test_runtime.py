@@ -18,6 +18,7 @@ from rockplan.budget import parse_budget
 from rockplan.memory import measure_step
 from rockplan.plan_file import read_plan
 from rockplan.planner import OutOfTime
+from rockplan.rng import replay, rng_state
 from solvers import InfeasibleBudget, budget_bounds, min_feasible_budget, simulate
 from solvers.simulate import freed_with, released_inside
 
@@ -670,3 +671,14 @@ def test_a_planned_step_calls_its_ops_without_the_python_op_wrapper(recompute: b
     assert calls == []
     _step(eager, args, kwargs)
     _assert_same_state(model, eager)
+
+
+def test_a_replayed_random_op_takes_its_own_device_keyword() -> None:
+    """A drop path draws with `torch.rand(shape, dtype=..., device=x.device)`: its recomputation
+    is generated as `replay(state, device, aten.rand.default, shape, dtype=..., device=...)`,
+    whose keywords are the op's (Swin-T's plan for a second batch size recomputed one)."""
+    state = rng_state(torch.device("cpu"))
+    drawn = torch.rand([2, 3], dtype=torch.float32, device=torch.device("cpu"))
+    again = replay(state, torch.device("cpu"), torch.ops.aten.rand.default, [2, 3], dtype=torch.float32,
+                   device=torch.device("cpu"), pin_memory=False)
+    assert torch.equal(again, drawn)
