@@ -163,7 +163,8 @@ def _collector_paused() -> Iterator[None]:
     was). They make few reference cycles and millions of short-lived objects (the schedules they
     replay), which set off collections that each walk every object of the process, the user's
     model and the captured graphs included: in a planning process much of the time of peak
-    shaving's builds."""
+    shaving's builds. The pause is the process's, for the solve's seconds (reference counting
+    still frees every object outside a cycle)."""
     if not gc.isenabled():
         yield
         return
