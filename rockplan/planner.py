@@ -416,14 +416,13 @@ def _held_start(held: Plan | None, graph: RematGraph) -> Schedule | None:
     if held is None:
         return None
     matched = matching_nodes(held.graph, graph)
-    renamed = {node.name: matched.get(node.name) for node in held.graph.nodes}
     values: dict[str, str] = {}
     for node in held.graph.nodes:
-        if (new := renamed[node.name]) is not None and len(outputs := graph.node(new).outputs) == len(node.outputs):
+        if (new := matched.get(node.name)) is not None and len(outputs := graph.node(new).outputs) == len(node.outputs):
             values.update(zip(node.outputs, outputs))
     ops = []
     for op in held.schedule.ops:
-        name = (renamed if op.kind == "compute" else values).get(op.name)
+        name = (matched if op.kind == "compute" else values).get(op.name)
         if name is None:
             return None
         ops.append(Op(op.kind, name))
