@@ -76,6 +76,9 @@ FLAT_ILP_MIN_LOOK = 3.0  # seconds
 # of that time where a few large ops dominate (it then stops there).
 HEURISTICS_TIME = 2.0  # seconds
 HEURISTIC_NODES_PER_SECOND = 150
+# Peak shaving's time to repair a replan's held plan that overshoots the new budget, before any
+# other search: a hair over, it fits after a few builds, often within the gap of the floor.
+HELD_REPAIR_TIME = 1.0  # seconds
 
 
 def heuristic_candidates(graph: RematGraph, budget: int, time_limit: float,
@@ -187,8 +190,9 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
     gap proves the floor again in full, with `time_lower_bound`'s MILPs, which a caller's floor
     may lack (they cost a second or more, paid only where the plan leaves a gap to explain).
     `known`: schedules of `graph` to start from, whatever their peak (a replan's held plan,
-    `rockplan.planner`): those that fit are candidates at once, and each is a start of peak
-    shaving, which repairs one a little over the budget in a few builds.
+    `rockplan.planner`): those that fit are candidates at once; those over the budget are
+    repaired by peak shaving first (a little over, in a few builds: within the gap, that ends
+    the search); and each is a start of peak shaving in the heuristics.
     Raises InfeasibleBudget, with the smallest feasible budget in the message, when nothing fits."""
     start = time.perf_counter()
     bounds = check_budget(graph, budget)
@@ -232,6 +236,15 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
         # The heuristics first: they take a fraction of a second and often meet the floor, and
         # they beat the chain plan where the chain model is coarse.
         searched: list[Schedule] = []  # the heuristics' schedules that fit
+        over = [s for s in known if s.predicted_peak > budget]
+        if in_order and over and searching():
+            # A replan's held plan over the new budget, repaired first: the repair then stands
+            # for it, as a candidate and a start.
+            with contextlib.suppress(InfeasibleBudget):
+                repaired = solve_peak_shaving(graph, budget, time_limit=HELD_REPAIR_TIME,
+                                              good_enough=floor * (1 + gap), seeds=over)
+                candidates.append(repaired)
+                known = [*(s for s in known if s.predicted_peak <= budget), repaired]
         # (A known schedule within the gap already, a replan's held plan, ends the search here.)
         if in_order and not any(s.predicted_peak <= budget and s.predicted_time <= floor * (1 + gap) for s in known):
             heuristics_time = max(HEURISTICS_TIME, len(graph.nodes) / HEURISTIC_NODES_PER_SECOND)

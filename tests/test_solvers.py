@@ -805,8 +805,8 @@ def test_the_portfolio_searches_with_the_garbage_collector_paused_and_gives_it_b
 def test_a_known_schedule_ends_the_search_near_the_floor_and_is_a_start_above_the_budget(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A schedule the caller knows (a replan's held plan): within the gap of the floor it ends
-    the search before any heuristic runs; over the budget it is a start of peak shaving, which
-    repairs it."""
+    the search before any heuristic runs; over the budget it is repaired by peak shaving first,
+    and the repair, within the gap, ends the search as well, or else starts the searches."""
     model, args, kwargs, _ = zoo.make("resnet", "tiny")
     graph = rkgraph.capture(model, args, kwargs)
     budget = budget_at(graph, 0.6)
@@ -823,5 +823,9 @@ def test_a_known_schedule_ends_the_search_near_the_floor_and_is_a_start_above_th
     seeds = []
     shave = portfolio.solve_peak_shaving
     monkeypatch.setattr(portfolio, "solve_peak_shaving", lambda *a, **k: seeds.append(k["seeds"]) or shave(*a, **k))
+    repaired = portfolio.solve_rockmate(graph, planned.predicted_peak - 1000, time_limit=10, gap=0.05, known=[known])
+    assert searched == [] and seeds == [[known]] and repaired.extra["schedule_from"] == "peak_shaving"
+    assert repaired.predicted_peak <= planned.predicted_peak - 1000
+    seeds.clear()
     tighter = portfolio.solve_rockmate(graph, planned.predicted_peak - 1, time_limit=10, gap=0.0, known=[known])
-    assert searched and any(known in given for given in seeds) and tighter.predicted_peak < planned.predicted_peak
+    assert searched and seeds[0] == [known] and tighter.predicted_peak < planned.predicted_peak
