@@ -170,8 +170,10 @@ def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = Pl
     needs_less_memory = not considered and (chosen is None or (
         options.plan_file is None and chosen[2].predicted_time > reference.predicted_time))
     if needs_less_memory and options.lean_variant and lean.build():
-        # No use solving it when its proven floor is above the plan in hand.
-        hopeless = not lean.solved(below=None if chosen is None else chosen[2].predicted_time)
+        # No use solving it when its proven floor is above the plan in hand, or within the
+        # solver's gap of it: the solver's search would have stopped there.
+        gap = _solver_gap(options)
+        hopeless = not lean.solved(below=None if chosen is None else chosen[2].predicted_time / (1 + gap))
         other = lean.schedule
         if lean.failure is not None:
             # Both infeasible: the lean graph needs less, so its bound is the one to state.
@@ -183,7 +185,8 @@ def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = Pl
             chosen = (lean.joint, lean.graph, other)
         else:
             considered["the lean variant of the graph"] = (
-                "not solved: its proven floor is above the plan of autograd's graph" if hopeless
+                "not solved: its proven floor is above the plan of autograd's graph"
+                + (f" less the solver's gap ({gap:.0%})" if gap else "") if hopeless
                 else "no plan within the budget" if other is None else other.predicted_time)
     if chosen is None:
         assert failure is not None
@@ -390,8 +393,7 @@ def _solve(graph: RematGraph, budget: int, options: PlanOptions,
         if start is not None:
             given.setdefault("known", [start])
             if "gap" in accepted and "gap" not in options.solver_options and held.schedule.gap:
-                default = inspect.signature(RUNTIME_SOLVERS[options.solver]).parameters["gap"].default
-                given["gap"] = default + held.schedule.gap
+                given["gap"] = _solver_gap(options) + held.schedule.gap
         started = time.perf_counter()
         try:
             schedule = RUNTIME_SOLVERS[options.solver](graph, budget, **given)
@@ -405,6 +407,13 @@ def _solve(graph: RematGraph, budget: int, options: PlanOptions,
             f"{result.peak} bytes ({format_bytes(result.peak)}), what the generated code holds included "
             f"(copies of mutated buffers, recorded generator states)")
     return schedule
+
+
+def _solver_gap(options: PlanOptions) -> float:
+    """The relative gap to the proven floor within which `options.solver` stops searching (0 for
+    a solver that takes no gap: it stops where its search ends)."""
+    parameter = inspect.signature(RUNTIME_SOLVERS[options.solver]).parameters.get("gap")
+    return 0.0 if parameter is None else options.solver_options.get("gap", parameter.default)
 
 
 def _held_start(held: Plan | None, graph: RematGraph) -> Schedule | None:

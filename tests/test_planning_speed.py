@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 
 import pytest
 import torch
+from torch import nn
 
 from rkgraph import capture_joint
 from rkgraph.graph import RematGraph
@@ -263,6 +264,23 @@ def test_portfolio_answers_the_same_without_the_min_memory_schedule(monkeypatch:
             compared += 1
             assert (now.ops, now.extra["schedule_from"]) == (before.ops, before.extra["schedule_from"]), graph.name
     assert compared > 40 and unbuilt > 20
+
+
+def test_the_lean_variant_is_not_solved_where_autograds_plan_is_within_the_gap_of_its_floor() -> None:
+    """An MLP whose lean variant (GELU's product fused, dropout's masks packed) can be faster
+    than autograd's plan by less than the solver's gap: solved without a gap (and slower), not
+    solved with it, and the plan is the same."""
+    torch.manual_seed(0)
+    layers = [layer for _ in range(4) for layer in (nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64),
+                                                         nn.Dropout(0.1))]
+    joint = capture_joint(nn.Sequential(*layers), (torch.randn(2048, 64),), {})
+    plans = {gap: plan(joint, 0.76, PlanOptions(profile="estimate", solver_options={"time_limit": 10, "gap": gap}))
+             for gap in (0.0, 0.05)}
+    (name, exact), = plans[0.0].considered.items()
+    assert name == "the lean variant of the graph" and exact > plans[0.0].schedule.predicted_time
+    assert plans[0.05].considered == {name: "not solved: its proven floor is above the plan of autograd's graph "
+                                            "less the solver's gap (5%)"}
+    assert plans[0.05].joint is plans[0.0].joint is joint and plans[0.05].schedule.ops == plans[0.0].schedule.ops
 
 
 @pytest.mark.parametrize("ratio", [0.5, 0.7])
