@@ -148,9 +148,10 @@ class Rockmate(nn.Module):
     steps at every new input; a step whose graph differs is measured anew. The solver starts
     from the held plan's schedule on the new graph and stops within its gap of the held plan's
     distance to its proven floor (`rockplan.planner._solve`). With "reuse", a held plan runs the
-    new input when its graph is the same up to sizes and the simulator finds the plan within the
-    budget there: give the largest input as the sample, and smaller ones are captured but not
-    solved (they recompute what a plan of their own might keep). The `max_plans` most recently used
+    new input when its graph is the same up to sizes and names and the simulator finds the plan
+    within its budget there (in bytes: a ratio is of the sample's step): give the largest input
+    as the sample, and smaller ones are captured but not solved (they recompute what a plan of
+    their own might keep). The `max_plans` most recently used
     plans are held; older ones are dropped and made again if their input comes back.
     The model's hooks run in each step as in eager, on values without autograd history, never
     while planning; a hook that returns a value is traced into the step (`rkgraph.hooks`).
@@ -341,7 +342,9 @@ class Rockmate(nn.Module):
                 seed_random_ops(joint_module)
             joint = apply_rewrites(joint_graph(flat, joint_module, num_fwd_outputs))
             held = [s.plan for s in reversed(self._steps.values())]
-            reused = (reuse(joint, budget, options, p, real) for p in (held if self.on_new_input == "reuse" else ()))
+            # Within the held plan's budget in bytes: a ratio is of the sample's step, whose
+            # memory covers the smaller inputs (a ratio of each one's own peak would refuse them).
+            reused = (reuse(joint, p.budget, options, p, real) for p in (held if self.on_new_input == "reuse" else ()))
             # Planned anew, from the latest plan where it is the same step at other shapes.
             planned.append(next(filter(None, reused), None)
                            or plan(joint, budget, options, real, held=next(iter(held), None)))

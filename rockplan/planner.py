@@ -317,47 +317,51 @@ class _LeanVariant:
 
 def reuse(joint: JointGraph, budget: int | float | str, options: PlanOptions, previous: Plan,
           real_inputs: list[torch.Tensor] | None = None) -> Plan | None:
-    """`previous`'s schedule on `joint` when it is the same step at other shapes (the same nodes
-    reading and making the same values, only their sizes differ) and the simulator finds it
-    within `budget` there; None otherwise. No solver runs: planning at the largest input
-    covers smaller ones, at the cost of recomputing what they could have kept. Costs: the
-    previous plan's node times rescaled to the new shapes (`rkgraph.RescaledTimes`), with kernels'
-    scratch measured again at the new shapes, since the budget check needs it."""
+    """`previous`'s schedule on `joint` when it is the same step at other shapes (each node of
+    its graph has a counterpart computing the same: `_held_start`, whatever the names) and the
+    simulator finds it within `budget` there; None otherwise. No solver runs: planning at the
+    largest input covers smaller ones, at the cost of recomputing what they could have kept.
+    Costs: the previous plan's node times rescaled to the new shapes (`rkgraph.RescaledTimes`),
+    or, for a plan without (another rank's, of the same shapes), its times as they are; kernels'
+    scratch is measured again at the new shapes, since the budget check needs it."""
     graph = build_graph(joint, name=options.name, replay_rng=options.replay_rng)
     variant = None
-    if _structure(graph) != _structure(previous.graph):
+    if not _counterparts(previous, graph):
         variant = lean_variant(joint) if options.lean_variant else None
-        if variant is None or _structure(build_graph(variant, replay_rng=options.replay_rng)) != _structure(
-                previous.graph):
+        if variant is None or not _counterparts(previous, build_graph(variant, replay_rng=options.replay_rng)):
             return None
-    if set(previous.times) != {n.name for n in graph.nodes}:
-        return None
-    held = previous.times if previous.rescaled_times is None else previous.rescaled_times
-    graph = costed_graph(joint, real_inputs, "estimate" if options.profile == "estimate" else held, options)
+    if options.profile == "estimate":
+        profile: Profile = "estimate"
+    elif previous.rescaled_times is not None:
+        profile = previous.rescaled_times
+    else:
+        matched = matching_nodes(previous.graph, graph)
+        profile = {matched[name]: seconds for name, seconds in previous.times.items() if name in matched}
+    graph = costed_graph(joint, real_inputs, profile, options)
     reference = solve_store_all(graph)
     budget = parse_budget(budget, reference.predicted_peak)
     chosen_joint, chosen = (joint, graph) if variant is None else (variant, costed_graph(
         variant, real_inputs, "estimate" if options.profile == "estimate" else "measure", options, shared=graph))
-    try:
-        result = simulate(chosen, previous.schedule)
-    except InvalidSchedule:
+    start = _held_start(previous, chosen)
+    if start is None:
         return None
-    if result.peak > budget:
+    if start.predicted_peak > budget:
         log.info("the held plan peaks at %s on the new input, above the budget of %s: planning anew",
-                 format_bytes(result.peak), format_bytes(budget))
+                 format_bytes(start.predicted_peak), format_bytes(budget))
         return None
     old = previous.schedule
-    schedule = Schedule(old.ops, old.forward_length, solver=old.solver, budget=budget, predicted_peak=result.peak,
-                        predicted_time=result.time, extra={**old.extra, "reused": True})
-    log.info("reused the held plan: peak %s within the budget of %s", format_bytes(result.peak), format_bytes(budget))
+    schedule = Schedule(start.ops, start.forward_length, solver=old.solver, budget=budget,
+                        predicted_peak=start.predicted_peak, predicted_time=start.predicted_time,
+                        extra={**old.extra, "reused": True})
+    log.info("reused the held plan: peak %s within the budget of %s", format_bytes(start.predicted_peak),
+             format_bytes(budget))
     return Plan(chosen_joint, chosen, schedule, budget, reference if variant is None else solve_store_all(chosen),
                 reference, {n.name: n.time for n in graph.nodes}, {}, _rescaled_times(graph))
 
 
-def _structure(graph: RematGraph) -> tuple:
-    """What a schedule depends on: the nodes, what each reads and makes, and the outputs."""
-    return (tuple((n.name, n.op, n.inputs, n.outputs, n.backward) for n in graph.nodes),
-            graph.forward_outputs, graph.backward_outputs, graph.user_outputs)
+def _counterparts(held: Plan, graph: RematGraph) -> bool:
+    """Whether `graph` is `held`'s graph node for node, up to names and sizes (`matching_nodes`)."""
+    return len(graph.nodes) == len(held.graph.nodes) == len(matching_nodes(held.graph, graph))
 
 
 def costed_graph(joint: JointGraph, real_inputs: list[torch.Tensor] | None, profile: Profile,

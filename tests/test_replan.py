@@ -13,9 +13,10 @@ import pickle
 import pytest
 import torch
 
-from rkgraph import node_keys
+from rkgraph import capture_joint, node_keys
 from rkgraph.graph import ComputeNode, DataNode, RematGraph, matching_nodes
 from rockplan import Rockmate, zoo
+from rockplan.planner import PlanOptions, plan, reuse
 from solvers import RUNTIME_SOLVERS, Schedule
 
 
@@ -107,6 +108,43 @@ def test_a_plan_at_the_largest_input_runs_smaller_ones_when_the_simulator_fits_i
     expected.sum().backward()
     for (name, p), q in zip(model.named_parameters(), rk.parameters()):
         torch.testing.assert_close(q.grad, p.grad, msg=f"gradient of {name}")
+
+
+def test_a_ratio_budget_reuses_the_held_plan_within_the_samples_bytes() -> None:
+    """With a ratio budget, a smaller input runs the held plan within the bytes the ratio gave
+    the sample's step (the memory the user accepted), not within the ratio of its own smaller
+    peak, which the held plan overshoots on every smaller input."""
+    model, (idx,), _, _ = zoo.make("gpt", "tiny")
+    rk = Rockmate(copy.deepcopy(model), idx, 0.5, profile="estimate", on_new_input="reuse")
+    largest = rk.plan
+    shorter = idx[:, : 3 * idx.shape[1] // 4].clone()
+    with pytest.warns(UserWarning, match="planned for a new input"):
+        torch.manual_seed(1)
+        out = rk(shorter)
+    assert rk.plan.schedule.extra.get("reused") is True and rk.plan.budget == largest.budget
+    assert 0.5 * rk.plan.reference.predicted_peak < rk.plan.schedule.predicted_peak <= largest.budget
+    torch.manual_seed(1)
+    torch.testing.assert_close(out, model(shorter))
+
+
+def test_a_held_plan_runs_the_same_step_traced_under_other_names() -> None:
+    """Reuse matches the held graph's nodes by what they compute (`matching_nodes`), not by
+    name: the schedule it runs is the held one with each node renamed."""
+    model, (idx,), _, _ = zoo.make("gpt", "tiny")
+    options = PlanOptions(profile="estimate")
+    held = plan(capture_joint(model, (idx,)), 0.5, options)
+    shorter = (idx[:, : idx.shape[1] // 2].clone(),)
+    same = reuse(capture_joint(model, shorter), held.budget, options, held)
+    renamed = capture_joint(model, shorter)
+    for node in renamed.module.graph.nodes:
+        if node.op == "call_function":
+            node._rename(f"{node.name}_again")
+    again = reuse(renamed, held.budget, options, held)
+    assert same is not None and again is not None
+    assert again.schedule.ops != same.schedule.ops
+    assert [(op.kind, matching_nodes(same.graph, again.graph).get(op.name)) for op in same.schedule.ops
+            if op.kind == "compute"] == [(op.kind, op.name) for op in again.schedule.ops if op.kind == "compute"]
+    assert again.schedule.predicted_peak == same.schedule.predicted_peak
 
 
 class _Doubled(torch.nn.Module):
