@@ -41,7 +41,7 @@ from rkgraph.hooks import hook_ids
 from rkgraph.rewrites import apply_rewrites
 from rockplan import progress
 from rockplan.backend import GraphBreaks, GraphPlan
-from rockplan.budget import check_gradients_fit
+from rockplan.budget import budget_bytes, check_gradients_fit
 from rockplan.codegen import compile_generated, generate
 from rockplan.decisions import decide
 from rockplan.distributed import check_engine_order
@@ -147,12 +147,13 @@ class Rockmate(nn.Module):
     estimates grow (`rkgraph.RescaledTimes`): no replays of the step, which would cost several
     steps at every new input; a step whose graph differs is measured anew. The solver starts
     from the held plan's schedule on the new graph and stops within its gap of the held plan's
-    distance to its proven floor (`rockplan.planner._solve`). With "reuse", a held plan runs the
-    new input when its graph is the same up to sizes and names and the simulator finds the plan
-    within its budget there (in bytes: a ratio is of the sample's step): give the largest input
-    as the sample, and smaller ones are captured but not solved (they recompute what a plan of
-    their own might keep). The `max_plans` most recently used
-    plans are held; older ones are dropped and made again if their input comes back.
+    distance to its proven floor (`rockplan.planner._solve`). With "reuse", a ratio budget is of
+    the sample's step, in bytes for every input, and a held plan runs the new input when its
+    graph is the same up to sizes and names and the simulator finds the plan within the budget
+    there, unless storing everything fits: give the largest input as the sample, and smaller
+    ones are captured but not solved (they recompute what a plan of their own might keep). The
+    `max_plans` most recently used plans are held; older ones are dropped and made again if
+    their input comes back.
     The model's hooks run in each step as in eager, on values without autograd history, never
     while planning; a hook that returns a value is traced into the step (`rkgraph.hooks`).
     Pickling (`torch.save(rk)`, `copy.deepcopy`) keeps the model and how to plan, not the plans
@@ -342,14 +343,19 @@ class Rockmate(nn.Module):
                 seed_random_ops(joint_module)
             joint = apply_rewrites(joint_graph(flat, joint_module, num_fwd_outputs))
             held = [s.plan for s in reversed(self._steps.values())]
-            # Within the held plan's budget in bytes: a ratio is of the sample's step, whose
-            # memory covers the smaller inputs (a ratio of each one's own peak would refuse them).
-            reused = (reuse(joint, p.budget, options, p, real) for p in (held if self.on_new_input == "reuse" else ()))
+            here = budget
+            if self.on_new_input == "reuse" and held and budget_bytes(budget) is None:
+                # A ratio is of the sample's step, the largest input: its bytes are every input's
+                # (a ratio of a smaller step's own peak would refuse the held plan on each).
+                here = held[0].budget
+            reused = next(filter(None, (reuse(joint, here, options, p, real)
+                                        for p in (held if self.on_new_input == "reuse" else ()))), None)
+            if reused is not None and reused.reference.predicted_peak <= reused.budget:
+                reused = None  # storing everything fits: planned anew, it recomputes nothing
             # Planned anew, from the latest plan where it is the same step at other shapes.
-            planned.append(next(filter(None, reused), None)
-                           or plan(joint, budget, options, real, held=next(iter(held), None)))
+            planned.append(reused or plan(joint, here, options, real, held=next(iter(held), None)))
             if self._sharded is not None:
-                planned[0] = self._sharded.agree(planned[0], joint, budget, options, real)
+                planned[0] = self._sharded.agree(planned[0], joint, here, options, real)
             progress.stage("generate")
             modules = generate(planned[0].joint, planned[0].graph, planned[0].schedule,
                                in_place=self.backend == "eager")

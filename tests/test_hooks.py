@@ -421,12 +421,16 @@ def test_hooks_added_after_planning_are_planned_for() -> None:
 
 
 def test_hooks_run_in_a_held_plan_reused_for_a_smaller_input() -> None:
-    model, x = _mlp()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                          nn.Linear(64, 4))
+    x = torch.randn(256, 8)
     seen: list[tuple[int, ...]] = []
     model[2].register_forward_hook(lambda _m, _a, out: seen.append(tuple(out.shape)))
-    rk = Rockmate(model, (x,), 1.0, on_new_input="reuse")
-    _step(rk, (x[:3],), {})
-    assert rk.schedule.extra.get("reused") and seen == [(3, 16)]
+    # (A budget that storing everything at the smaller input exceeds: else that is planned.)
+    rk = Rockmate(model, (x,), 0.8, on_new_input="reuse", profile="estimate")
+    _step(rk, (x[:224],), {})
+    assert rk.schedule.extra.get("reused") and seen == [(224, 64)]
 
 
 class _Branches(nn.Module):
