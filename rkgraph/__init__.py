@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from rkgraph.blocks import split_into_blocks
 from rkgraph.build import build_graph
 from rkgraph.capture import CaptureError, JointGraph, trace_joint
-from rkgraph.graph import ComputeNode, DataNode, RematGraph
+from rkgraph.graph import ComputeNode, DataNode, RematGraph, node_keys
 from rkgraph.profile import (
     AllocatorEvents,
     RescaledTimes,
@@ -22,7 +22,6 @@ from rkgraph.profile import (
     measure_op_scratch,
     measure_scratch,
     measure_times,
-    node_keys,
     random_tangents,
     share_profile,
     synthetic_times,

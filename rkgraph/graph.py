@@ -34,6 +34,7 @@ Memory semantics, shared by the simulator and every solver:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -175,13 +176,16 @@ class RematGraph:
 
 
 def matching_nodes(held: RematGraph, graph: RematGraph) -> dict[str, str]:
-    """`held`'s node -> `graph`'s node that computes the same thing from the same values: the
-    same op of the same module, in the same phase, on inputs matched in turn (values without a
-    producer by name: parameters, buffers, inputs and tangents keep theirs), the k-th of
-    several such nodes to the k-th. The same step traced at another input shape gives the
-    same nodes under other names and, in the backward, at times in another order (autograd
-    ran a linear layer's two gradient products the other way round at another batch size),
-    so neither names nor positions match them. Nodes without a counterpart are left out."""
+    """`held`'s node -> `graph`'s node that is the same node of the same step at other input
+    shapes. First by what it computes: the same op of the same module, in the same phase, on
+    inputs matched in turn (values without a producer by name: parameters, buffers, inputs
+    and tangents keep theirs), the k-th of several such nodes to the k-th. The same step traced
+    at another input shape gives the same nodes under other names and, in the backward, at
+    times in another order (autograd ran a linear layer's two gradient products the other way
+    round at another batch size), so neither names nor positions match them. The nodes left
+    unmatched (descendants of a node one graph lacks: a `clone` a batch of one does not need)
+    are then matched by where they are among the unmatched (`node_keys` of those). Nodes
+    without a counterpart are left out."""
     codes: dict[tuple, int] = {}  # one table for both graphs: equal structure, equal code
 
     def coded(g: RematGraph) -> dict[tuple[int, int], str]:
@@ -200,4 +204,26 @@ def matching_nodes(held: RematGraph, graph: RematGraph) -> dict[str, str]:
         return by_code
 
     mine, theirs = coded(held), coded(graph)
-    return {name: theirs[key] for key, name in mine.items() if key in theirs}
+    matched = {name: theirs[key] for key, name in mine.items() if key in theirs}
+    if len(matched) < len(held.nodes):
+        taken = set(matched.values())
+        places = {key: name for name, key in node_keys(graph, [n for n in graph.nodes if n.name not in taken]).items()}
+        for name, key in node_keys(held, [n for n in held.nodes if n.name not in matched]).items():
+            if (other := places.get(key)) is not None:
+                matched[name] = other
+    return matched
+
+
+def node_keys(graph: RematGraph, nodes: Sequence[ComputeNode] | None = None) -> dict[str, tuple[str, str, bool, int]]:
+    """Node name -> where the node is in the step whatever fx numbered it: (module path, op,
+    whether in the backward, how many such nodes of that module came before it), among `nodes`
+    (graph order; default: all of `graph`'s). fx numbers nodes by op across the whole graph,
+    so one op more or less at another batch size (a `clone` that a batch of one does not need)
+    renames every later node of that op; the keys of other modules' nodes stay."""
+    seen: dict[tuple[str, str, bool], int] = {}
+    keys = {}
+    for node in graph.nodes if nodes is None else nodes:
+        kind = (node.module, node.op, node.backward)
+        keys[node.name] = (*kind, seen.get(kind, 0))
+        seen[kind] = seen.get(kind, 0) + 1
+    return keys

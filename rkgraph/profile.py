@@ -37,7 +37,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils.flop_counter import flop_registry
 
 from rkgraph.capture import is_tangent, preserved_rng
-from rkgraph.graph import RematGraph
+from rkgraph.graph import RematGraph, matching_nodes
 from rkgraph.hooks import hooks_muted
 from rkgraph.rewrites import REWRITES, known_scratch
 
@@ -104,25 +104,11 @@ def estimate_times(graph: RematGraph, joint: fx.GraphModule, device: str = "cpu"
 RESCALED_SHARE = 0.5
 
 
-def node_keys(graph: RematGraph) -> dict[str, tuple[str, str, bool, int]]:
-    """Node name -> where the node is in the step whatever fx numbered it: (module path, op,
-    whether in the backward, how many such nodes of that module came before it). fx numbers
-    nodes by op across the whole graph, so one op more or less at another batch size (a
-    `clone` that a batch of one does not need) renames every later node of that op; the
-    keys of other modules' nodes stay."""
-    seen: dict[tuple[str, str, bool], int] = {}
-    keys = {}
-    for node in graph.nodes:
-        kind = (node.module, node.op, node.backward)
-        keys[node.name] = (*kind, seen.get(kind, 0))
-        seen[kind] = seen.get(kind, 0) + 1
-    return keys
-
-
 @dataclass(frozen=True)
 class RescaledTimes:
     """Node times measured for the same step at other input shapes (a held plan's), with the
-    roofline estimates of those nodes there and where each is in the step (`node_keys`). A
+    roofline estimates of those nodes there and the graph they are of, whose nodes are found
+    in another graph by what they compute, or else by where they are (`matching_nodes`). A
     profile (`profile_graph`) that gives each node its time there scaled by its estimate here
     over its estimate there, so that a step planned again for a new input signature (another
     batch size or sequence length) needs no replay of the step: the replays cost several
@@ -138,20 +124,18 @@ class RescaledTimes:
 
     times: Mapping[str, float]
     estimates: Mapping[str, float]
-    keys: Mapping[str, tuple]
+    graph: RematGraph
     otherwise: str = "measure"
 
     @classmethod
     def of_graph(cls, graph: RematGraph, joint: fx.GraphModule, device: str = "cpu") -> RescaledTimes:
         """`graph`'s node times as costed, to rescale to other input shapes."""
-        return cls({node.name: node.time for node in graph.nodes}, estimated_times(graph, joint, device),
-                   node_keys(graph))
+        return cls({node.name: node.time for node in graph.nodes}, estimated_times(graph, joint, device), graph)
 
     def rescaled(self, graph: RematGraph, joint: fx.GraphModule, device: str = "cpu") -> dict[str, float] | None:
         """Each node's rescaled time, by name; None when too little of `graph` is found."""
         here = estimated_times(graph, joint, device)
-        held = {key: name for name, key in self.keys.items()}
-        found = {name: held[key] for name, key in node_keys(graph).items() if key in held}
+        found = {name: old for old, name in matching_nodes(self.graph, graph).items()}
         total = sum(here.values())
         if total <= 0 or sum(here[name] for name in found) < RESCALED_SHARE * total:
             return None

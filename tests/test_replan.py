@@ -170,9 +170,9 @@ def test_a_new_shape_is_planned_on_the_held_plans_times_rescaled(monkeypatch: py
     """With a measured profile, a step at a new input signature replays nothing: each node takes
     the held plan's measured time scaled by its roofline estimate at the new shapes over the old
     (here a machine twice as slow as the estimate, five times for the tripling, stays so at the
-    new shapes), found by where it is in the step, not by fx's numbering: planned at a batch of
-    one, the graph has a multiplication less, and at a larger batch the doubling takes the
-    tripling's name. The doubling, not in the held graph, takes its estimate on the held plan's
+    new shapes), found by what it computes or where it is in the step, not by fx's numbering:
+    planned at a batch of one, the graph has a multiplication less, and at a larger batch the
+    doubling takes the tripling's name. The doubling, not in the held graph, takes its estimate on the held plan's
     clock. A profile rescaled from another model's plan covers none of its graph: measured, or
     estimated where it says so."""
     import rkgraph
@@ -215,19 +215,21 @@ def test_a_new_shape_is_planned_on_the_held_plans_times_rescaled(monkeypatch: py
     assert estimated.plan.times == rkgraph.estimated_times(estimated.plan.graph, estimated.plan.joint.module)
 
 
-def _two_products(rename: str, weight_first: bool) -> RematGraph:
+def _two_products(rename: str, weight_first: bool, cloned: bool = False) -> RematGraph:
     """A linear layer's backward as autograd writes it: the input's gradient (from the weight)
     and the weight's (from the input), two products of one op; names suffixed with `rename`,
-    the weight's gradient made first where `weight_first`."""
+    the weight's gradient made first where `weight_first`, the input cloned first where `cloned`."""
     def n(name: str) -> str:
         return name + rename if name not in {"x", "w", "tangent"} else name
 
     data = {d: DataNode(d, 8, kind) for d, kind in (("x", "input"), ("w", "param"), ("tangent", "tangent"))}
-    nodes = [ComputeNode(n("mm"), ("x", "w"), (n("y"),), op="aten.mm.default", module="linear")]
+    nodes = [ComputeNode(n("clone"), ("x",), (n("xc"),), op="aten.clone.default")] if cloned else []
+    nodes.append(ComputeNode(n("mm"), (n("xc") if cloned else "x", "w"), (n("y"),), op="aten.mm.default",
+                             module="linear"))
     grad_input = ComputeNode(n("mm_a"), ("tangent", "w"), (n("gx"),), backward=True, op="aten.mm.default",
                              module="linear")
-    grad_weight = ComputeNode(n("mm_b"), ("tangent", "x"), (n("gw"),), backward=True, op="aten.mm.default",
-                              module="linear")
+    grad_weight = ComputeNode(n("mm_b"), ("tangent", n("xc") if cloned else "x"), (n("gw"),), backward=True,
+                              op="aten.mm.default", module="linear")
     nodes += [grad_weight, grad_input] if weight_first else [grad_input, grad_weight]
     for node in nodes:
         for d in node.outputs:
@@ -238,12 +240,16 @@ def _two_products(rename: str, weight_first: bool) -> RematGraph:
 def test_a_held_graphs_nodes_are_matched_by_what_they_compute_not_by_name_or_place() -> None:
     """At another batch size the same step is traced under other names, and autograd may run a
     layer's two gradient products the other way round: each node is matched to the one that
-    computes the same op of the same module from matched inputs."""
+    computes the same op of the same module from matched inputs, or else at the same place."""
     held, here = _two_products("", weight_first=False), _two_products("_7", weight_first=True)
     assert [n.name for n in here.nodes] == ["mm_7", "mm_b_7", "mm_a_7"]
     assert matching_nodes(held, here) == {"mm": "mm_7", "mm_a": "mm_a_7", "mm_b": "mm_b_7"}
     # Positions alone would pair the input's gradient with the weight's.
     assert node_keys(held)["mm_a"] == node_keys(here)["mm_b_7"]
+    # A node one graph lacks leaves its descendants unmatched by what they compute (they read
+    # other values): those are matched by where they are.
+    assert matching_nodes(held, _two_products("_1", weight_first=False, cloned=True)) == {
+        "mm": "mm_1", "mm_a": "mm_a_1", "mm_b": "mm_b_1"}
 
 
 def test_a_new_shape_is_planned_from_the_held_plan(monkeypatch: pytest.MonkeyPatch) -> None:
