@@ -318,8 +318,8 @@ class _LeanVariant:
 def reuse(joint: JointGraph, budget: int | float | str, options: PlanOptions, previous: Plan,
           real_inputs: list[torch.Tensor] | None = None) -> Plan | None:
     """`previous`'s schedule on `joint` when it is the same step at other shapes (each node of
-    its graph has a counterpart computing the same: `_held_start`, whatever the names) and the
-    simulator finds it within `budget` there; None otherwise. No solver runs: planning at the
+    its graph has its counterpart there, whatever the names: `matching_nodes`, `_held_start`)
+    and the simulator finds it within `budget` there; None otherwise. No solver runs: planning at the
     largest input covers smaller ones, at the cost of recomputing what they could have kept.
     Costs: the previous plan's node times rescaled to the new shapes (`rkgraph.RescaledTimes`),
     or, for a plan without (another rank's, of the same shapes), its times as they are; kernels'
@@ -360,7 +360,8 @@ def reuse(joint: JointGraph, budget: int | float | str, options: PlanOptions, pr
 
 
 def _counterparts(held: Plan, graph: RematGraph) -> bool:
-    """Whether `graph` is `held`'s graph node for node, up to names and sizes (`matching_nodes`)."""
+    """Whether each node of `held`'s graph and of `graph` has its counterpart in the other
+    (`matching_nodes`): the same step, up to names and sizes."""
     return len(graph.nodes) == len(held.graph.nodes) == len(matching_nodes(held.graph, graph))
 
 
