@@ -249,16 +249,18 @@ def plan_one(name: str, budget: float | int, profile: str) -> dict[str, object]:
             outcome = "infeasible"
     total = time.perf_counter() - start
     peak = _peak_rss()
-    replan = None
+    replan = reuse = None
     if outcome == "infeasible":  # after the figures: this plan is not the one timed
         plan = Rockmate(model, sample, 1.0, solver="store_all", profile=profile).plan
         min_feasible = min_feasible_budget(plan.graph)
     elif name not in DEPTH_SERIES:  # (those plan on fake tensors: they run no step)
         replan = _replan_seconds(rk, _other_batch(sample))
+        if replan is not None:
+            reuse = _reuse_seconds(rk, _other_batch(_other_batch(sample)))
     return {"model": name, "profile": profile, "nodes": len(plan.times),  # autograd's graph, after the rewrites
             "total": total, "outcome": outcome, "seconds": dict(seconds), "peak_rss": peak,
             "planning_rss": max(0, peak - peak_before), "min_feasible": min_feasible,
-            "store_all_peak": plan.reference.predicted_peak, "replan": replan}
+            "store_all_peak": plan.reference.predicted_peak, "replan": replan, "reuse": reuse}
 
 
 def _other_batch(sample: tuple) -> tuple:
@@ -296,6 +298,23 @@ def _replan_seconds(rk: object, sample: tuple) -> float | None:
     return seconds["replan"]
 
 
+def _reuse_seconds(rk: object, sample: tuple) -> tuple[float, bool]:
+    """(seconds, whether the held plan ran) of a training step at `sample`, another new input
+    signature, with on_new_input="reuse" from then on: the time inside the module's planning
+    call, which runs the latest held plan where the simulator fits it, or else plans."""
+    import warnings
+
+    from rockplan.module import Rockmate, _split_sample
+
+    args, kwargs = _split_sample(sample)
+    seconds: dict[str, float] = defaultdict(float)
+    rk.on_new_input = "reuse"
+    with warnings.catch_warnings(), timed(Rockmate, "_plan", seconds, "reuse"):
+        warnings.simplefilter("ignore")
+        rk(*args, **kwargs).backward()
+    return seconds["reuse"], bool(rk.plan.schedule.extra.get("reused"))
+
+
 # --- the page (the parent process) -----------------------------------------------------------
 
 
@@ -313,12 +332,15 @@ def markdown(rows: list[dict[str, object]], ratio: float) -> str:
         "long the refusal took, and the row's figures are those of a plan at the smallest feasible budget. "
         "Replan s: planning again for a new input signature (one example fewer in the batch, one more "
         "where it has one), inside the first training step at it; not for the depth series (planned on "
-        "fake tensors), the refusals, nor the zoo models whose loss holds targets for the sample's batch only.",
+        "fake tensors), the refusals, nor the zoo models whose loss holds targets for the sample's batch only. "
+        "Reuse s: then a step one example fewer again with on_new_input=\"reuse\" (the budget the latest plan's "
+        "bytes): its planning call, which runs the held plan where the simulator fits it, or else plans "
+        "(\"planned\").",
         "",
         "| model | profile | nodes | total s | capture s | of which trace s | profile s | solve s | "
         f"{' | '.join(stages)} | "
-        "peak RSS | planning added | replan s | plan from |",
-        f"|---|---|---|---|---|---|---|---|{'---|' * len(stages)}---|---|---|---|",
+        "peak RSS | planning added | replan s | reuse s | plan from |",
+        f"|---|---|---|---|---|---|---|---|{'---|' * len(stages)}---|---|---|---|---|",
     ]
     for r in rows:
         s = r["seconds"]
@@ -329,8 +351,16 @@ def markdown(rows: list[dict[str, object]], ratio: float) -> str:
                      f"{s.get('trace', 0.0):.1f} | "
                      f"{s.get('profile', 0.0):.1f} | {solve:.1f} | {' | '.join(cells)} | "
                      f"{r['peak_rss'] / 2**20:.0f} MiB | {r['planning_rss'] / 2**20:.0f} MiB | "
-                     f"{'' if r.get('replan') is None else format(r['replan'], '.1f')} | {r['outcome']} |")
+                     f"{'' if r.get('replan') is None else format(r['replan'], '.1f')} | {_reuse_cell(r)} | "
+                     f"{r['outcome']} |")
     return "\n".join(lines)
+
+
+def _reuse_cell(row: dict[str, object]) -> str:
+    if row.get("reuse") is None:
+        return ""
+    seconds, ran = row["reuse"]
+    return f"{seconds:.1f}" + ("" if ran else " (planned)")
 
 
 def plot(rows: list[dict[str, object]], path: Path) -> None:
