@@ -255,8 +255,9 @@ def plan_one(name: str, budget: float | int, profile: str) -> dict[str, object]:
         min_feasible = min_feasible_budget(plan.graph)
     elif name not in DEPTH_SERIES:  # (those plan on fake tensors: they run no step)
         replan = _replan_seconds(rk, _other_batch(sample))
-        if replan is not None:
-            reuse = _reuse_seconds(rk, _other_batch(_other_batch(sample)))
+        smaller = _other_batch(_other_batch(sample))
+        if replan is not None and _shapes(smaller) != _shapes(sample):  # (a batch of 2: back to the sample's)
+            reuse = _reuse_seconds(rk, smaller)
     return {"model": name, "profile": profile, "nodes": len(plan.times),  # autograd's graph, after the rewrites
             "total": total, "outcome": outcome, "seconds": dict(seconds), "peak_rss": peak,
             "planning_rss": max(0, peak - peak_before), "min_feasible": min_feasible,
@@ -298,6 +299,13 @@ def _replan_seconds(rk: object, sample: tuple) -> float | None:
     return seconds["replan"]
 
 
+def _shapes(sample: tuple) -> list:
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    return [tuple(t.shape) for t in tree_leaves(sample) if isinstance(t, torch.Tensor)]
+
+
 def _reuse_seconds(rk: object, sample: tuple) -> tuple[float, bool]:
     """(seconds, whether the held plan ran) of a training step at `sample`, another new input
     signature, with on_new_input="reuse" from then on: the time inside the module's planning
@@ -335,7 +343,7 @@ def markdown(rows: list[dict[str, object]], ratio: float) -> str:
         "fake tensors), the refusals, nor the zoo models whose loss holds targets for the sample's batch only. "
         "Reuse s: then a step one example fewer again with on_new_input=\"reuse\" (the budget the latest plan's "
         "bytes): its planning call, which runs the held plan where the simulator fits it, or else plans "
-        "(\"planned\").",
+        "(\"planned\"); not where the batch is 2 (one fewer again is the sample's).",
         "",
         "| model | profile | nodes | total s | capture s | of which trace s | profile s | solve s | "
         f"{' | '.join(stages)} | "
