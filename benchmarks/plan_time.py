@@ -282,7 +282,7 @@ def _other_batch(sample: tuple) -> tuple:
 
 def _replan_seconds(rk: object, sample: tuple) -> float | None:
     """Seconds a training step at `sample`, a new input signature, spends planning again for it
-    (on_new_input="replan", the default): the time inside the module's planning call."""
+    (as `rk.on_new_input` says: "replan" by default): the time inside the module's planning call."""
     import warnings
 
     from rockplan.module import Rockmate, _split_sample
@@ -306,21 +306,13 @@ def _shapes(sample: tuple) -> list:
     return [tuple(t.shape) for t in tree_leaves(sample) if isinstance(t, torch.Tensor)]
 
 
-def _reuse_seconds(rk: object, sample: tuple) -> tuple[float, bool]:
-    """(seconds, whether the held plan ran) of a training step at `sample`, another new input
-    signature, with on_new_input="reuse" from then on: the time inside the module's planning
-    call, which runs the latest held plan where the simulator fits it, or else plans."""
-    import warnings
-
-    from rockplan.module import Rockmate, _split_sample
-
-    args, kwargs = _split_sample(sample)
-    seconds: dict[str, float] = defaultdict(float)
+def _reuse_seconds(rk: object, sample: tuple) -> tuple[float, bool] | None:
+    """(`_replan_seconds`, whether the held plan ran) of a training step at `sample`, another new
+    input signature, with on_new_input="reuse" from then on: its planning call runs the latest
+    held plan where the simulator fits it, or else plans."""
     rk.on_new_input = "reuse"
-    with warnings.catch_warnings(), timed(Rockmate, "_plan", seconds, "reuse"):
-        warnings.simplefilter("ignore")
-        rk(*args, **kwargs).backward()
-    return seconds["reuse"], bool(rk.plan.schedule.extra.get("reused"))
+    seconds = _replan_seconds(rk, sample)
+    return None if seconds is None else (seconds, bool(rk.plan.schedule.extra.get("reused")))
 
 
 # --- the page (the parent process) -----------------------------------------------------------
