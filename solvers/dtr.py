@@ -135,6 +135,15 @@ class _DtrRun:
             for d in dict.fromkeys(node.inputs):
                 self.reads[d].append(p)
         self.last_read = {d: reads[-1] if reads else -1 for d, reads in self.reads.items()}
+        # What `release_dead` looks at after the program op at p: the tensors p reads for the last
+        # time, those computed since the last release, and the outputs of once-computed nodes it
+        # kept. A tensor not among them did not change from alive to dead (see `release_dead`).
+        self.last_read_at: dict[int, list[str]] = defaultdict(list)
+        for d, p in self.last_read.items():
+            self.last_read_at[p].append(d)
+        self.released_upto = 0  # computes[:released_upto] were looked at by a release
+        self.kept_once: set[str] = set()
+        self.data_index = {d: i for i, d in enumerate(graph.data)}
         self.tangents = graph.tangents
         # Held to the end of the step (by the user, by autograd, as results): never dropped.
         self.held = (frozenset(graph.user_outputs) | frozenset(graph.backward_outputs) | frozenset(self.tangents)
@@ -352,21 +361,38 @@ class _DtrRun:
         return {d for d in node.inputs if d in self.resident and not self.needed_later(d) and d not in self.held
                 and not (d in self.forward_outputs and not self.backward_phase) and not self.once(self.producer(d))}
 
-    def release_dead(self) -> None:
+    def release_dead(self, everything: bool = False) -> None:
         """Drop what the program will never read again (DTR frees a tensor when its last
         reference goes). An output of a node computed once stays while an absent tensor still needed
-        would have to be recomputed from it: it could not be brought back itself."""
-        for d in [d for d in self.evicted if not self.needed_later(d)]:
+        would have to be recomputed from it: it could not be brought back itself.
+
+        Only the tensors whose answer can have changed since the last release are looked at (a
+        scan of everything resident at every op made DTR quadratic in the graph's size): a
+        tensor dies when the position passes its last read (`last_read_at`), when it is computed
+        after that (an ancestor recomputed for a recomputation), or, for the forward outputs, at
+        the phase boundary, where `everything` looks at all of them. An evicted tensor was needed
+        later when evicted, and stops being so at its last read, too."""
+        fresh = self.computes[self.released_upto:]
+        self.released_upto = len(self.computes)
+        if everything:
+            candidates = set(self.resident) | self.evicted
+        else:
+            candidates = set(self.last_read_at.get(self.position, ())) | self.kept_once
+            candidates.update(out for name in fresh for out in self.graph.node(name).outputs)
+        for d in [d for d in candidates if d in self.evicted and not self.needed_later(d)]:
             self.evicted.remove(d)
             self.evicted_changed(d)
-        dead = [d for d in self.resident if not (self.needed_later(d) or d in self.held
-                                                  or (d in self.forward_outputs and not self.backward_phase))]
-        # Random nodes' outputs last: whether one is still needed depends on which of the
-        # tensors between it and an evicted one go now (in set order, a random output could be
-        # released while the tensor it alone can remake is still resident, then that tensor go
-        # too, and DTR would later recompute the random node).
-        for d in sorted(dead, key=lambda d: self.once(self.producer(d))):
+        dead = [d for d in candidates if d in self.resident
+                and not (self.needed_later(d) or d in self.held
+                         or (d in self.forward_outputs and not self.backward_phase))]
+        # Random nodes' outputs last, in the graph's order: whether one is still needed depends on
+        # which of the tensors between it and an evicted one go now (released first, a random
+        # output could go while the tensor it alone can remake is still resident, then that tensor
+        # go too, and DTR would later recompute the random node).
+        self.kept_once.clear()
+        for d in sorted(dead, key=lambda d: (self.once(self.producer(d)), self.data_index[d])):
             if self.once(self.producer(d)) and self.still_needed_from(d):
+                self.kept_once.add(d)
                 continue
             self.drop(d)
             if not self.recomputable(d):  # no longer available: the answers may change
@@ -378,7 +404,7 @@ class _DtrRun:
         self.memory += sum(self.size[d] for d in self.tangents)
         self.make_room(0, "the start of the backward phase")
         self.backward_phase = True  # from here on forward outputs are ordinary tensors
-        self.release_dead()
+        self.release_dead(everything=True)
 
     def run_program(self) -> int:
         """Run every node in order; return how many computations belong to the forward phase."""
