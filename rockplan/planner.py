@@ -105,6 +105,9 @@ class Plan:
     considered: dict[str, float | str]  # the other graph planned and not run: its time, or why it has none
     # autograd's graph's times as the profile of the same step at other input shapes
     rescaled_times: RescaledTimes | None = None
+    # The other graph's schedule where both were solved (the lean variant's, or autograd's
+    # where the lean variant runs), with its graph: a replan's start for that graph
+    runner_up: tuple[RematGraph, Schedule] | None = None
 
 
 def check_solver(solver: str, options: Mapping[str, Any]) -> None:
@@ -153,6 +156,7 @@ def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = Pl
         # budget matches its graph when loaded at it).
         joint.module.recompile()
     chosen: tuple[JointGraph, RematGraph, Schedule] | None = None
+    runner_up: tuple[RematGraph, Schedule] | None = None
     failure: Exception | None = None
     considered: dict[str, float | str] = {}
     progress.stage("solve")
@@ -182,8 +186,10 @@ def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = Pl
             log.info("lean variant: predicted %.3f s, against %s", other.predicted_time,
                      "no plan" if chosen is None else f"{chosen[2].predicted_time:.3f} s")
             considered["autograd's graph"] = "no plan within the budget" if chosen is None else chosen[2].predicted_time
+            runner_up = None if chosen is None else chosen[1:]
             chosen = (lean.joint, lean.graph, other)
         else:
+            runner_up = None if other is None else (lean.graph, other)
             considered["the lean variant of the graph"] = (
                 "not solved: its proven floor is above the plan of autograd's graph"
                 + (f" less the solver's gap ({gap:.0%})" if gap else "") if hopeless
@@ -199,7 +205,7 @@ def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = Pl
                  100 * (schedule.lower_bound / reference.predicted_time - 1))
     return Plan(chosen_joint, chosen_graph, schedule, budget,
                 reference if chosen_graph is graph else solve_store_all(chosen_graph), reference,
-                {n.name: n.time for n in graph.nodes}, considered, _rescaled_times(graph))
+                {n.name: n.time for n in graph.nodes}, considered, _rescaled_times(graph), runner_up)
 
 
 def _rescaled_times(graph: RematGraph) -> RescaledTimes:
@@ -326,9 +332,9 @@ def reuse(joint: JointGraph, budget: int | float | str, options: PlanOptions, pr
     scratch is measured again at the new shapes, since the budget check needs it."""
     graph = build_graph(joint, name=options.name, replay_rng=options.replay_rng)
     variant = None
-    if not _counterparts(previous, graph):
+    if not _counterparts(previous.graph, graph):
         variant = lean_variant(joint) if options.lean_variant else None
-        if variant is None or not _counterparts(previous, build_graph(variant, replay_rng=options.replay_rng)):
+        if variant is None or not _counterparts(previous.graph, build_graph(variant, replay_rng=options.replay_rng)):
             return None
     if options.profile == "estimate":
         profile: Profile = "estimate"
@@ -359,10 +365,10 @@ def reuse(joint: JointGraph, budget: int | float | str, options: PlanOptions, pr
                 reference, {n.name: n.time for n in graph.nodes}, {}, _rescaled_times(graph))
 
 
-def _counterparts(held: Plan, graph: RematGraph) -> bool:
-    """Whether each node of `held`'s graph and of `graph` has its counterpart in the other
+def _counterparts(held: RematGraph, graph: RematGraph) -> bool:
+    """Whether each node of `held` and of `graph` has its counterpart in the other
     (`matching_nodes`): the same step, up to names and sizes."""
-    return len(graph.nodes) == len(held.graph.nodes) == len(matching_nodes(held.graph, graph))
+    return len(graph.nodes) == len(held.nodes) == len(matching_nodes(held, graph))
 
 
 def costed_graph(joint: JointGraph, real_inputs: list[torch.Tensor] | None, profile: Profile,
@@ -397,8 +403,8 @@ def _solve(graph: RematGraph, budget: int, options: PlanOptions,
         start = _held_start(held, graph) if "known" in accepted else None
         if start is not None:
             given.setdefault("known", [start])
-            if "gap" in accepted and "gap" not in options.solver_options and held.schedule.gap:
-                given["gap"] = _solver_gap(options) + held.schedule.gap
+            if "gap" in accepted and "gap" not in options.solver_options and start.extra["held_gap"]:
+                given["gap"] = _solver_gap(options) + start.extra["held_gap"]
         started = time.perf_counter()
         try:
             schedule = RUNTIME_SOLVERS[options.solver](graph, budget, **given)
@@ -422,25 +428,39 @@ def _solver_gap(options: PlanOptions) -> float:
 
 
 def _held_start(held: Plan | None, graph: RematGraph) -> Schedule | None:
-    """`held`'s schedule on `graph`, where that is the held plan's step at other input shapes:
-    each node renamed to the one that computes the same there (`rkgraph.graph.matching_nodes`),
-    each value to the same output of the renamed node, and replayed by the simulator. None
-    where a node or value has no counterpart or the schedule does not run on `graph`. Its peak
-    may be over the budget: it is a start of the search, not a plan."""
+    """`held`'s schedule on `graph`, where that is the held plan's step at other input shapes: of
+    the held plan's schedules (the one it runs, and its `runner_up`), the one whose graph's nodes
+    each have their counterpart in `graph` (`rkgraph.graph.matching_nodes`; its kind of graph,
+    autograd's or the lean variant), each node renamed to the one that computes the same there,
+    each value to the same output of the renamed node, and replayed by the simulator (its
+    `extra["held_gap"]`: the held schedule's gap to its floor). None where neither has, or
+    the schedule does not run on `graph`. Its peak may be over the budget: it is a start of the search, not a plan."""
     if held is None:
         return None
-    matched = matching_nodes(held.graph, graph)
+    for source in ((held.graph, held.schedule), held.runner_up):
+        if source is not None and len(source[0].nodes) == len(graph.nodes):
+            matched = matching_nodes(source[0], graph)
+            if len(matched) == len(graph.nodes):
+                return _renamed(*source, graph, matched)
+    return None
+
+
+def _renamed(held_graph: RematGraph, held_schedule: Schedule, graph: RematGraph,
+             matched: dict[str, str]) -> Schedule | None:
+    """`held_schedule` with its nodes renamed by `matched` and its values after them, replayed on
+    `graph`; None where it does not run there."""
     values: dict[str, str] = {}
-    for node in held.graph.nodes:
-        if (new := matched.get(node.name)) is not None and len(outputs := graph.node(new).outputs) == len(node.outputs):
+    for node in held_graph.nodes:
+        if len(outputs := graph.node(matched[node.name]).outputs) == len(node.outputs):
             values.update(zip(node.outputs, outputs))
     ops = []
-    for op in held.schedule.ops:
+    for op in held_schedule.ops:
         name = (matched if op.kind == "compute" else values).get(op.name)
         if name is None:
             return None
         ops.append(Op(op.kind, name))
-    start = Schedule(ops, held.schedule.forward_length, solver="held_plan")
+    start = Schedule(ops, held_schedule.forward_length, solver="held_plan",
+                     extra={"held_gap": held_schedule.gap})
     try:
         result = simulate(graph, start)
     except InvalidSchedule:

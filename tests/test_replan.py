@@ -237,6 +237,33 @@ def _two_products(rename: str, weight_first: bool, cloned: bool = False) -> Rema
     return RematGraph(nodes, data, (n("y"),), (n("gx"), n("gw")), user_outputs=(n("y"),))
 
 
+def test_a_replan_starts_each_graph_from_the_held_plans_schedule_of_its_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the first plan solved both autograd's graph and its lean variant, the plan keeps the
+    one that lost (`runner_up`), and a replan's solve of each graph starts from the held schedule
+    of the same kind of graph: the lean variant's solve is no longer a search from nothing."""
+    torch.manual_seed(0)
+    layers = [layer for _ in range(4) for layer in (torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                                         torch.nn.Linear(256, 64), torch.nn.Dropout(0.1))]
+    model = torch.nn.Sequential(*layers)
+    options = PlanOptions(profile="estimate", solver_options={"time_limit": 10, "gap": 0.0})
+    held = plan(capture_joint(model, (torch.randn(2048, 64),), {}), 0.76, options)
+    assert held.runner_up is not None and len(held.runner_up[0].nodes) != len(held.graph.nodes)
+    calls = []
+    solve = RUNTIME_SOLVERS["rockmate"]
+
+    @functools.wraps(solve)
+    def recorded(graph: RematGraph, budget: int, **given: object) -> Schedule:
+        calls.append((len(graph.nodes), given.get("known")))
+        return solve(graph, budget, **given)
+
+    monkeypatch.setitem(RUNTIME_SOLVERS, "rockmate", recorded)
+    again = plan(capture_joint(model, (torch.randn(1792, 64),), {}), 0.76, options, held=held)
+    assert again.schedule.predicted_peak <= again.budget
+    started = {nodes: [op.kind for op in known[0].ops] for nodes, known in calls if known}
+    assert started == {len(graph.nodes): [op.kind for op in schedule.ops]
+                       for graph, schedule in ((held.graph, held.schedule), held.runner_up)}
+
+
 def test_a_held_graphs_nodes_are_matched_by_what_they_compute_not_by_name_or_place() -> None:
     """At another batch size the same step is traced under other names, and autograd may run a
     layer's two gradient products the other way round: each node is matched to the one that
