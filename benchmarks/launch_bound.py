@@ -3,6 +3,7 @@
     python benchmarks/launch_bound.py                                  # hf_llama, hf_bert; 0.5, 0.35, min; bf16
     python benchmarks/launch_bound.py --models hf_llama --ratios 0.35 --dtype fp32
     python benchmarks/launch_bound.py --out docs/benchmarks/launch-bound.md   # also write the page
+    python benchmarks/launch_bound.py --polish 60   # also plan with solver_options={"polish_time": 60}
 
 On a GPU a small model's step is bound by kernel launches: each op costs about the same few
 microseconds whatever its size, and plans measured there recompute hundreds of small ops. Plans
@@ -12,7 +13,9 @@ mixed-precision training does) on node times that imitate a GPU's: per kernel (a
 a view) LAUNCH_SECONDS, plus the roofline's max(FLOPs / FLOPS, bytes / BANDWIDTH), passed to
 `Rockmate` as a frozen profile. Per budget it reports the plan's predicted overhead against the
 store-all step, the proven floor's, the member that planned it and the planning time: where the
-two overheads differ, the search (or the floor) leaves a gap on GPU-like costs.
+two overheads differ, the search (or the floor) leaves a gap on GPU-like costs. With `--polish`,
+each budget is planned again with that many seconds of `polish_time` (peak shaving searching on
+from the best schedule where it leaves a gap): how much of the gap more search time closes.
 """
 
 from __future__ import annotations
@@ -48,8 +51,10 @@ def launch_bound_times(plan: Plan) -> dict[str, float]:
     return estimated_seconds(plan.graph, plan.joint.module, FLOPS, BANDWIDTH, LAUNCH_SECONDS)
 
 
-def plan_rows(name: str, size: str, ratios: list[float | str], dtype: torch.dtype | None) -> list[str]:
-    """One table row per budget (a ratio of the store-all peak, or "min") for zoo model `name`."""
+def plan_rows(name: str, size: str, ratios: list[float | str], dtype: torch.dtype | None,
+              polish: float = 0.0) -> list[str]:
+    """One table row per budget (a ratio of the store-all peak, or "min") for zoo model `name`;
+    with `polish` seconds, the same planned with that `polish_time` too."""
     model, args, kwargs, loss = zoo.make(name, size)
     model = zoo.WithLoss(model, loss) if loss is not None else model
 
@@ -64,15 +69,18 @@ def plan_rows(name: str, size: str, ratios: list[float | str], dtype: torch.dtyp
         # "min" as bench.py's: the smallest budget a schedule is known for, with its margin (memory
         # does not depend on times; at the very least only the minimum-memory schedule may fit).
         budget = int(MIN_BUDGET_MARGIN * min_feasible_budget(captured.plan.graph)) if ratio == "min" else ratio
-        started = time.perf_counter()
-        with autocast():
-            planned = Rockmate(model, (args, kwargs), budget, profile=times)
-        seconds = time.perf_counter() - started
-        schedule, reference = planned.plan.schedule, planned.plan.reference.predicted_time
-        floor = schedule.lower_bound or 0.0
-        rows.append(f"| {name} | {ratio} | {100 * (schedule.predicted_time / reference - 1):+.1f}% | "
-                    f"{100 * (floor / reference - 1):+.1f}% | {schedule.extra.get('schedule_from', schedule.solver)} | "
-                    f"{seconds:.1f} |")
+        cells = []
+        for options in ({}, {"polish_time": polish}) if polish else ({},):
+            started = time.perf_counter()
+            with autocast():
+                planned = Rockmate(model, (args, kwargs), budget, profile=times, solver_options=options)
+            seconds = time.perf_counter() - started
+            schedule, reference = planned.plan.schedule, planned.plan.reference.predicted_time
+            floor = schedule.lower_bound or 0.0
+            cells += [f"{100 * (schedule.predicted_time / reference - 1):+.1f}%",
+                      f"{100 * (floor / reference - 1):+.1f}%",
+                      str(schedule.extra.get("schedule_from", schedule.solver)), f"{seconds:.1f}"]
+        rows.append(f"| {name} | {ratio} | " + " | ".join(cells) + " |")
         print(rows[-1], flush=True)
     return rows
 
@@ -83,6 +91,8 @@ def main() -> None:
     parser.add_argument("--size", default="default")
     parser.add_argument("--ratios", default="0.5,0.35,min")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--polish", type=float, default=0.0,
+                        help="also plan each budget with this solver option polish_time (seconds)")
     parser.add_argument("--out", type=Path, help="also write the table to this page")
     args = parser.parse_args()
     ratios = [r if r == "min" else float(r) for r in args.ratios.split(",")]
@@ -91,10 +101,12 @@ def main() -> None:
              f"kernel plus max(FLOPs / {FLOPS:.0e}, bytes / {BANDWIDTH:.0e}). Overheads against the step "
              "storing everything; the floor is the proven one the plan carries (no plan within the budget "
              "is faster).", "",
-             "| model | budget | plan | proven floor | planned by | planning s |", "|---|---|---|---|---|---|"]
+             "| model | budget | plan | proven floor | planned by | planning s |"
+             + (f" polished {args.polish:g} s: plan | proven floor | planned by | planning s |" if args.polish else ""),
+             "|---|---|---|---|---|---|" + ("---|---|---|---|" if args.polish else "")]
     print("\n".join(lines[2:]))
     for name in args.models.split(","):
-        lines += plan_rows(name, args.size, ratios, DTYPES[args.dtype])
+        lines += plan_rows(name, args.size, ratios, DTYPES[args.dtype], args.polish)
     if args.out:
         write_page(args.out, "Plans on a launch-bound cost model", "\n".join(lines))
 

@@ -181,7 +181,8 @@ def _collector_paused() -> Iterator[None]:
 @_collector_paused()
 def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slots: int = 500,
                    block_time_limit: float = 1.0, gap: float = 0.01,
-                   floor: tuple[float, str] | None = None, known: Sequence[Schedule] = ()) -> Schedule:
+                   floor: tuple[float, str] | None = None, known: Sequence[Schedule] = (),
+                   polish_time: float = 0.0) -> Schedule:
     """Fastest schedule found within `budget` bytes, in about `time_limit` seconds (more only
     when nothing fits yet); `block_time_limit` bounds the MILP solves of one distinct block.
     The search stops as soon as a schedule is within `gap` (relative) of the proven floor on
@@ -193,6 +194,12 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
     `rockplan.planner`): those that fit are candidates at once; those over the budget are
     repaired by peak shaving first (a little over, in a few builds: within the gap, that ends
     the search); and each is a start of peak shaving in the heuristics.
+    `polish_time`: seconds more of peak shaving from the best schedule where it ends above the
+    floor by more than the gap (0: none). The heuristics get a share of `time_limit` that grows
+    with the graph, and on graphs too large for the flat MILP nothing uses the rest; there
+    peak shaving's local search keeps finding faster schedules long after its share, in runs
+    far apart (a GPU step bound by kernel launches, where a plan recomputes hundreds of small
+    ops), which a caller training for days can afford to wait for.
     Raises InfeasibleBudget, with the smallest feasible budget in the message, when nothing fits."""
     start = time.perf_counter()
     bounds = check_budget(graph, budget)
@@ -283,6 +290,11 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
                 remaining = min(remaining, max(FLAT_ILP_MIN_LOOK, 0.1 * time_limit))
             candidates.append(solve_milp(graph, budget, time_limit=remaining, mip_rel_gap=gap, known=candidates,
                                         floor=floor))
+        if polish_time > 0 and in_order and candidates and searching():
+            with contextlib.suppress(InfeasibleBudget):
+                candidates.append(solve_peak_shaving(
+                    graph, budget, time_limit=polish_time, good_enough=floor * (1 + gap),
+                    seeds=[min(candidates, key=lambda s: (s.predicted_time, s.predicted_peak))]))
     if not candidates:
         raise InfeasibleBudget(f"no schedule found within {budget} bytes ({format_bytes(budget)}); "
                                f"{bounds.describe()}")

@@ -26,6 +26,7 @@ from solvers import (
     CHECKMATE_GRAPHS,
     budget_bounds,
     load_checkmate_graph,
+    min_feasible_budget,
     solve_dtr,
     solve_rockmate,
     solve_store_all,
@@ -41,7 +42,7 @@ from solvers.bounds import (
     needed_nodes,
     time_lower_bound,
 )
-from solvers.schedule import Op
+from solvers.schedule import Op, Schedule
 from solvers.simulate import InfeasibleBudget, free_at_last_use, released_inside, to_recompute
 from tests.graph_factories import random_training_graph
 
@@ -301,3 +302,33 @@ def test_autograd_graph_is_not_solved_where_the_lean_plan_beats_its_floor(ratio:
     except InfeasibleBudget:
         return  # nothing found within the budget: nothing faster either
     assert solved.predicted_time > planned.schedule.predicted_time
+
+
+def test_polish_time_shaves_on_from_the_best_schedule_where_it_leaves_a_gap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`polish_time`: where the portfolio's best schedule is above the floor by more than the gap,
+    peak shaving searches on from it for that long; its schedule is a candidate, so the plan is
+    never slower. Where a schedule meets the floor (storing everything fits), nothing more runs."""
+    import solvers.portfolio
+
+    graph = random_training_graph(5, max_forward=24)
+    low, high = min_feasible_budget(graph), solve_store_all(graph).predicted_peak
+    budget = int(low + 0.2 * (high - low))
+    # No gap allowed: every schedule above the floor leaves one (the plans here are well above it).
+    assert solve_rockmate(graph, budget, time_limit=5).predicted_time > time_lower_bound(graph, budget)[0] * 1.01
+    calls = []
+    shave = solvers.portfolio.solve_peak_shaving
+
+    def recorded(graph: RematGraph, budget: int, **options: object) -> Schedule:
+        calls.append(options)
+        return shave(graph, budget, **options)
+
+    monkeypatch.setattr(solvers.portfolio, "solve_peak_shaving", recorded)
+    polished = solve_rockmate(graph, budget, time_limit=5, gap=0.0, polish_time=0.5)
+    last = calls[-1]
+    assert last["time_limit"] == 0.5 and len(last["seeds"]) == 1
+    (seed,) = last["seeds"]
+    assert seed.predicted_peak <= budget and seed.predicted_time >= polished.predicted_time
+    assert polished.predicted_peak <= budget
+    calls.clear()
+    solve_rockmate(graph, high, time_limit=5, gap=0.0, polish_time=0.5)
+    assert calls == []
