@@ -147,11 +147,13 @@ def _plan(args: argparse.Namespace) -> int:
 
     if args.solver not in RUNTIME_SOLVERS:
         raise UsageError(f"unknown solver {args.solver!r}; choose one of {', '.join(sorted(RUNTIME_SOLVERS))}")
+    if args.polish and args.solver != DEFAULT_SOLVER:
+        raise UsageError(f"--polish is an option of the default solver {DEFAULT_SOLVER!r}, not of {args.solver!r}")
     budget = parse_budget_arg(args.budget)
     model, sample_args, sample_kwargs = build_model(args.model, args.shape, args.dtype, args.size, args.with_loss)
     log.info("capturing %s and solving with %s (budget %s)...", type(model).__name__, args.solver, args.budget)
     rk = Rockmate(model, (sample_args, sample_kwargs), budget, solver=args.solver, profile=args.profile,
-                  plan_file=args.plan_file)
+                  plan_file=args.plan_file, solver_options={"polish_time": args.polish} if args.polish else None)
     out = Path(args.out)
     log.info("writing %s", rk.export(out / "plan.json"))
     log.info("writing %s", rk.render(out / "graph.pdf"))
@@ -209,6 +211,9 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("--with-loss", action="store_true", help="plan the model with its loss inside, as the "
                       "benchmarks do (zoo models, or factories returning (model, args, kwargs, loss_fn))")
     plan.add_argument("--plan-file", help="reuse this plan file instead of solving (checked against the model)")
+    plan.add_argument("--polish", type=float, default=0.0, metavar="SECONDS",
+                      help="where the plan stays above its proven floor, search on from it for up to this long "
+                           "(the default solver's polish_time): a plan file is made once and trained on long")
     plan.add_argument("--out", default=".", help="directory for the outputs (default: current)")
     plan.set_defaults(run=_plan)
 

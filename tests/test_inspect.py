@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 import subprocess
@@ -14,7 +15,7 @@ import torch
 
 from rockplan import Rockmate, cli, zoo
 from rockplan.plan_file import FORMAT, VERSION, PlanMismatch, export_plan, fingerprint, load_plan, read_plan
-from solvers import simulate
+from solvers import RUNTIME_SOLVERS, simulate
 from solvers.bounds import time_lower_bound
 
 # Checkpointing every block recomputes in every block and solves instantly: a plan with all
@@ -186,6 +187,24 @@ def test_cli_plan_from_file_factory(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert read_plan(tmp_path / "out" / "plan.json").graph.name == "Sequential"
 
 
+def test_cli_polish_searches_on_from_the_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--polish` is the default solver's `polish_time`, passed as given."""
+    given = []
+    solve = RUNTIME_SOLVERS["rockmate"]
+
+    @functools.wraps(solve)
+    def recorded(graph: object, budget: int, **options: object) -> object:
+        given.append(options)
+        return solve(graph, budget, **options)
+
+    monkeypatch.setitem(RUNTIME_SOLVERS, "rockmate", recorded)
+    code = cli.main(["plan", "zoo:gpt", "--size", "tiny", "--budget", "0.7", "--polish", "0.5",
+                     "--profile", "estimate", "--out", str(tmp_path)])
+    assert code == 0 and given and all(options["polish_time"] == 0.5 for options in given)
+    assert "this plan (rockmate)" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["plan", "rockplan.zoo:no_such_factory", "--shape", "8x128"], "has no factory 'no_such_factory'"),
     (["plan", "no_such_package.models:make", "--shape", "8x128"], "cannot import no_such_package.models"),
@@ -195,6 +214,7 @@ def test_cli_plan_from_file_factory(tmp_path: Path, capsys: pytest.CaptureFixtur
     (["plan", "zoo:gpt", "--budget", "2.5"], "a ratio budget must be in (0, 1]"),
     (["plan", "torch.nn:Identity", "--with-loss"], "returns no loss: --with-loss needs"),
     (["explain", "no_such_plan.json"], "no plan file no_such_plan.json"),
+    (["plan", "zoo:gpt", "--solver", "dtr", "--polish", "5"], "--polish is an option of the default solver"),
 ])
 def test_cli_errors_are_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(argv) == 2
