@@ -348,7 +348,7 @@ def reuse(joint: JointGraph, budget: int | float | str, options: PlanOptions, pr
     budget = parse_budget(budget, reference.predicted_peak)
     chosen_joint, chosen = (joint, graph) if variant is None else (variant, costed_graph(
         variant, real_inputs, "estimate" if options.profile == "estimate" else "measure", options, shared=graph))
-    start = _held_start(previous, chosen)
+    start = _held_start(previous, chosen, runner_up=False)  # the schedule that ran (another rank's: it has no other)
     if start is None:
         return None
     if start.predicted_peak > budget:
@@ -427,17 +427,18 @@ def _solver_gap(options: PlanOptions) -> float:
     return 0.0 if parameter is None else options.solver_options.get("gap", parameter.default)
 
 
-def _held_start(held: Plan | None, graph: RematGraph) -> Schedule | None:
+def _held_start(held: Plan | None, graph: RematGraph, runner_up: bool = True) -> Schedule | None:
     """`held`'s schedule on `graph`, where that is the held plan's step at other input shapes: of
-    the held plan's schedules (the one it runs, and its `runner_up`), the one whose graph's nodes
-    each have their counterpart in `graph` (`rkgraph.graph.matching_nodes`; its kind of graph,
-    autograd's or the lean variant), each node renamed to the one that computes the same there,
-    each value to the same output of the renamed node, and replayed by the simulator (its
-    `extra["held_gap"]`: the held schedule's gap to its floor). None where neither has, or
-    the schedule does not run on `graph`. Its peak may be over the budget: it is a start of the search, not a plan."""
+    the held plan's schedules (the one it runs, and with `runner_up` its `runner_up`), the one
+    whose graph's nodes each have their counterpart in `graph` (`rkgraph.graph.matching_nodes`;
+    its kind of graph, autograd's or the lean variant), each node renamed to the one that
+    computes the same there, each value to the same output of the renamed node, and replayed by
+    the simulator (its `extra["held_gap"]`: the held schedule's gap to its floor). None where
+    neither has, or the schedule does not run on `graph`. Its peak may be over the budget: it
+    is a start of the search, not a plan."""
     if held is None:
         return None
-    for source in ((held.graph, held.schedule), held.runner_up):
+    for source in ((held.graph, held.schedule), held.runner_up if runner_up else None):
         if source is not None and len(source[0].nodes) == len(graph.nodes):
             matched = matching_nodes(source[0], graph)
             if len(matched) == len(graph.nodes):
