@@ -21,6 +21,7 @@ that the start from checkpointing every block, slower as it is, gets past.
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -56,6 +57,8 @@ REPAIR_SHARE = 0.5
 # backward order the portfolio tries, found nothing on the Hugging Face models at tight budgets.
 PATIENCE_SHARE = 0.25
 PATIENCE_MIN = 0.5  # seconds
+# With `perturb`, once every start has stalled: drops ruled out together in each kick (at most).
+KICK_DROPS = 3
 Drop = tuple[str, int]  # (data node, index of the node whose stage discards it)
 
 
@@ -403,8 +406,24 @@ def _improve(family: _Family, best: _Trial, clock: _Clock, good_enough: float) -
     return best
 
 
+def _kicked(family: _Family, best: _Trial, deadline: float, patience: float, good_enough: float) -> _Trial:
+    """Iterated local search until `deadline`: `best` less a few of its drops at random, repaired
+    with those ruled out, improved; kept where faster."""
+    chosen = random.Random(0)
+    while best.drops and best.schedule.predicted_time > good_enough and time.perf_counter() < deadline:
+        kick = frozenset(chosen.sample(sorted(best.drops), min(KICK_DROPS, len(best.drops))))
+        clock = _Clock(deadline, patience)
+        repaired = _repair(family, family.build(best.drops - kick), clock, ruled_out=kick)
+        if repaired is None:
+            continue
+        other = _improve(family, repaired, clock, good_enough)
+        if other.schedule.predicted_time < best.schedule.predicted_time:
+            best = other
+    return best
+
+
 def solve_peak_shaving(graph: RematGraph, budget: int, time_limit: float = 2.0, good_enough: float = 0.0,
-                       seeds: Sequence[Schedule] | None = None) -> Schedule:
+                       seeds: Sequence[Schedule] | None = None, perturb: bool = False) -> Schedule:
     """The fastest schedule of the family found within `time_limit` seconds, or the first found
     whose time is at most `good_enough` (a proven floor plus a gap: searching on cannot pay).
 
@@ -412,8 +431,12 @@ def solve_peak_shaving(graph: RematGraph, budget: int, time_limit: float = 2.0, 
     drops, and from no drops where no seed can be repaired to fit: from DTR's schedule it is a
     local search that only keeps what is faster, and it can end faster than the search from no
     drops. A start whose improvement stalls (no faster schedule in PATIENCE_SHARE of the time
-    limit) is done, so the search can end well before the limit. Raises InfeasibleBudget when
-    no start can be repaired to fit (the greedy repair meets a dead end, or time runs out)."""
+    limit) is done, so the search can end well before the limit. With `perturb`, the rest of
+    the time limit goes to an iterated local search from the best: rule out up to KICK_DROPS
+    of its drops at random (a fixed seed: the same kicks each run), repair, improve, keep what
+    is faster; the single rule-outs of `_improve` leave it in a local optimum, which a larger
+    change can leave. Raises InfeasibleBudget when no start can be repaired to fit (the greedy
+    repair meets a dead end, or time runs out)."""
     start = time.perf_counter()
     deadline = start + time_limit
     family = _Family(graph, budget)
@@ -459,6 +482,8 @@ def solve_peak_shaving(graph: RematGraph, budget: int, time_limit: float = 2.0, 
         improved = _improve(family, trial, _Clock(deadline, patience), good_enough)
         if improved.schedule.predicted_time < best.schedule.predicted_time:
             best = improved
+    if perturb:
+        best = _kicked(family, best, deadline, patience, good_enough)
     schedule = best.schedule
     simulate(graph, schedule, budget)  # the referee, on the one schedule returned
     schedule.extra = {"drops": len(best.drops)}

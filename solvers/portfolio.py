@@ -294,7 +294,7 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
             with contextlib.suppress(InfeasibleBudget):
                 candidates.append(solve_peak_shaving(
                     graph, budget, time_limit=polish_time, good_enough=floor * (1 + gap),
-                    seeds=[min(candidates, key=lambda s: (s.predicted_time, s.predicted_peak))]))
+                    seeds=[min(candidates, key=lambda s: (s.predicted_time, s.predicted_peak))], perturb=True))
     if not candidates:
         raise InfeasibleBudget(f"no schedule found within {budget} bytes ({format_bytes(budget)}); "
                                f"{bounds.describe()}")

@@ -28,6 +28,7 @@ from solvers import (
     load_checkmate_graph,
     min_feasible_budget,
     solve_dtr,
+    solve_peak_shaving,
     solve_rockmate,
     solve_store_all,
 )
@@ -325,10 +326,24 @@ def test_polish_time_shaves_on_from_the_best_schedule_where_it_leaves_a_gap(monk
     monkeypatch.setattr(solvers.portfolio, "solve_peak_shaving", recorded)
     polished = solve_rockmate(graph, budget, time_limit=5, gap=0.0, polish_time=0.5)
     last = calls[-1]
-    assert last["time_limit"] == 0.5 and len(last["seeds"]) == 1
+    assert last["time_limit"] == 0.5 and len(last["seeds"]) == 1 and last["perturb"]
     (seed,) = last["seeds"]
     assert seed.predicted_peak <= budget and seed.predicted_time >= polished.predicted_time
     assert polished.predicted_peak <= budget
     calls.clear()
     solve_rockmate(graph, high, time_limit=5, gap=0.0, polish_time=0.5)
     assert calls == []
+
+
+def test_perturbed_peak_shaving_leaves_the_local_optimum_of_single_rule_outs() -> None:
+    """From DTR's schedule, peak shaving's single rule-outs stall (in a few milliseconds here); the
+    kicks of `perturb` (a few drops ruled out at once, from a fixed seed) then find a faster
+    schedule within the time limit."""
+    graph = random_training_graph(6, max_forward=24)
+    low, high = min_feasible_budget(graph), solve_store_all(graph).predicted_peak
+    budget = int(low + 0.4 * (high - low))
+    seed = solve_dtr(graph, budget)
+    stalled = solve_peak_shaving(graph, budget, time_limit=3, seeds=[seed])
+    kicked = solve_peak_shaving(graph, budget, time_limit=3, seeds=[seed], perturb=True)
+    assert kicked.predicted_peak <= budget
+    assert kicked.predicted_time < stalled.predicted_time
