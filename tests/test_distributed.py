@@ -16,6 +16,7 @@ test's time); each test reads its part of the ranks' results.
 from __future__ import annotations
 
 import copy
+import datetime
 import os
 import socket
 import traceback
@@ -438,6 +439,7 @@ def _recomputes(rk: Rockmate) -> int:
     return len(computed) - len(set(computed))
 
 
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)  # the slowest scenario takes under one
 SCENARIOS = {"ddp": _ddp, "fsdp": _fsdp, "fsdp_first": _fsdp_then_rockmate, "fsdp_agree": _fsdp_ranks_agree,
              "fsdp_mixed": _fsdp_mixed_precision, "fsdp_setups": _fsdp_setups,
              "fsdp_measured": _fsdp_measured_replan, "refusals": _refusals,
@@ -448,7 +450,9 @@ def _worker(rank: int, port: int, out: str, backend: str = "gloo", scenarios: di
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=WORLD)
+    # A scenario that raises on one rank between collectives leaves the other waiting: with the
+    # default half hour, the test module hangs instead of failing with the raising rank's error.
+    dist.init_process_group(backend, rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT)
     torch.set_num_threads(1)  # two ranks share the machine's cores
     results = {}
     try:
