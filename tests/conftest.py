@@ -13,6 +13,7 @@ itself opt out with `@pytest.mark.measures_time`.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable, Sequence
 
@@ -53,3 +54,21 @@ def _frozen_node_times(request: pytest.FixtureRequest, monkeypatch: pytest.Monke
         return {name: seconds[name] for name in timed}
 
     monkeypatch.setattr(rkgraph, "synthetic_times", estimated_alone)
+
+
+@pytest.fixture
+def rockmate_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[RematGraph, int, dict]]:
+    """(graph, budget, options) of each call of the default solver the planner makes, which
+    still runs; wrapped so the planner checks the options against the solver's own signature."""
+    from solvers import RUNTIME_SOLVERS
+
+    calls: list[tuple[RematGraph, int, dict]] = []
+    solve = RUNTIME_SOLVERS["rockmate"]
+
+    @functools.wraps(solve)
+    def recorded(graph: RematGraph, budget: int, **options: object) -> object:
+        calls.append((graph, budget, options))
+        return solve(graph, budget, **options)
+
+    monkeypatch.setitem(RUNTIME_SOLVERS, "rockmate", recorded)
+    return calls

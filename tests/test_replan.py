@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import io
 import logging
 import pickle
@@ -17,7 +16,6 @@ from rkgraph import capture_joint, node_keys
 from rkgraph.graph import ComputeNode, DataNode, RematGraph, matching_nodes
 from rockplan import Rockmate, zoo
 from rockplan.planner import PlanOptions, plan, reuse
-from solvers import RUNTIME_SOLVERS, Schedule
 
 
 def _mlp(batch: int) -> torch.Tensor:
@@ -237,7 +235,7 @@ def _two_products(rename: str, weight_first: bool, cloned: bool = False) -> Rema
     return RematGraph(nodes, data, (n("y"),), (n("gx"), n("gw")), user_outputs=(n("y"),))
 
 
-def test_a_replan_starts_each_graph_from_the_held_plans_schedule_of_its_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_replan_starts_each_graph_from_the_held_plans_schedule_of_its_kind(rockmate_calls: list) -> None:
     """Where the first plan solved both autograd's graph and its lean variant, the plan keeps the
     one that lost (`runner_up`), and a replan's solve of each graph starts from the held schedule
     of the same kind of graph: the lean variant's solve is no longer a search from nothing."""
@@ -248,18 +246,10 @@ def test_a_replan_starts_each_graph_from_the_held_plans_schedule_of_its_kind(mon
     options = PlanOptions(profile="estimate", solver_options={"time_limit": 10, "gap": 0.0})
     held = plan(capture_joint(model, (torch.randn(2048, 64),), {}), 0.76, options)
     assert held.runner_up is not None and len(held.runner_up[0].nodes) != len(held.graph.nodes)
-    calls = []
-    solve = RUNTIME_SOLVERS["rockmate"]
-
-    @functools.wraps(solve)
-    def recorded(graph: RematGraph, budget: int, **given: object) -> Schedule:
-        calls.append((len(graph.nodes), given.get("known")))
-        return solve(graph, budget, **given)
-
-    monkeypatch.setitem(RUNTIME_SOLVERS, "rockmate", recorded)
     again = plan(capture_joint(model, (torch.randn(1792, 64),), {}), 0.76, options, held=held)
     assert again.schedule.predicted_peak <= again.budget
-    started = {nodes: [op.kind for op in known[0].ops] for nodes, known in calls if known}
+    started = {len(graph.nodes): [op.kind for op in given["known"][0].ops]
+               for graph, _, given in rockmate_calls if given.get("known")}
     assert started == {len(graph.nodes): [op.kind for op in schedule.ops]
                        for graph, schedule in ((held.graph, held.schedule), held.runner_up)}
 
@@ -279,7 +269,7 @@ def test_a_held_graphs_nodes_are_matched_by_what_they_compute_not_by_name_or_pla
         "mm": "mm_1", "mm_a": "mm_a_1", "mm_b": "mm_b_1"}
 
 
-def test_a_new_shape_is_planned_from_the_held_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_new_shape_is_planned_from_the_held_plan(rockmate_calls: list) -> None:
     """Planned anew for a new input signature, the default solver gets the held plan's schedule
     on the new graph as a start, and ends its search within its gap of the held plan's own
     distance to its floor: a replan pays planning time again at every new shape."""
@@ -287,19 +277,11 @@ def test_a_new_shape_is_planned_from_the_held_plan(monkeypatch: pytest.MonkeyPat
     rk = Rockmate(model, idx, 0.5, profile="estimate")
     first = rk.plan
     assert first.schedule.gap is not None
-    calls = []
-    solve = RUNTIME_SOLVERS["rockmate"]
-
-    @functools.wraps(solve)
-    def recorded(graph: RematGraph, budget: int, **options: object) -> Schedule:
-        calls.append(options)
-        return solve(graph, budget, **options)
-
-    monkeypatch.setitem(RUNTIME_SOLVERS, "rockmate", recorded)
+    rockmate_calls.clear()
     with pytest.warns(UserWarning, match="planned for a new input"):
         rk(idx[:, : idx.shape[1] - 8]).sum().backward()
     # (The plan held may be the lean variant's: its graph's solve starts from it.)
-    started = [options for options in calls if options.get("known")]
+    started = [options for *_, options in rockmate_calls if options.get("known")]
     (start,) = started[-1]["known"]
     assert start.solver == "held_plan" and len(start.ops) == len(first.schedule.ops)
     assert [op.kind for op in start.ops] == [op.kind for op in first.schedule.ops]
@@ -307,9 +289,9 @@ def test_a_new_shape_is_planned_from_the_held_plan(monkeypatch: pytest.MonkeyPat
     again = rk.plan
     assert again is not first and again.schedule.predicted_peak <= again.budget
     # A caller's own gap is the caller's.
-    calls.clear()
+    rockmate_calls.clear()
     rk = Rockmate(copy.deepcopy(model), idx, 0.5, profile="estimate", solver_options={"gap": 0.0, "time_limit": 3})
     with pytest.warns(UserWarning, match="planned for a new input"):
         rk(idx[:, : idx.shape[1] - 8]).sum().backward()
-    started = [options for options in calls if options.get("known")]
+    started = [options for *_, options in rockmate_calls if options.get("known")]
     assert started and all(options["gap"] == 0.0 for options in started)
