@@ -332,9 +332,10 @@ def reuse(joint: JointGraph, budget: int | float | str, options: PlanOptions, pr
     scratch is measured again at the new shapes, since the budget check needs it."""
     graph = build_graph(joint, name=options.name, replay_rng=options.replay_rng)
     variant = None
-    if not _counterparts(previous.graph, graph):
+    if _counterparts(previous.graph, graph) is None:
         variant = lean_variant(joint) if options.lean_variant else None
-        if variant is None or not _counterparts(previous.graph, build_graph(variant, replay_rng=options.replay_rng)):
+        if variant is None or _counterparts(previous.graph,
+                                            build_graph(variant, replay_rng=options.replay_rng)) is None:
             return None
     if options.profile == "estimate":
         profile: Profile = "estimate"
@@ -365,10 +366,13 @@ def reuse(joint: JointGraph, budget: int | float | str, options: PlanOptions, pr
                 reference, {n.name: n.time for n in graph.nodes}, {}, _rescaled_times(graph))
 
 
-def _counterparts(held: RematGraph, graph: RematGraph) -> bool:
-    """Whether each node of `held` and of `graph` has its counterpart in the other
-    (`matching_nodes`): the same step, up to names and sizes."""
-    return len(graph.nodes) == len(held.nodes) == len(matching_nodes(held, graph))
+def _counterparts(held: RematGraph, graph: RematGraph) -> dict[str, str] | None:
+    """`matching_nodes(held, graph)` where each node of `held` and of `graph` has its counterpart
+    in the other (the same step, up to names and sizes); None otherwise."""
+    if len(graph.nodes) != len(held.nodes):
+        return None
+    matched = matching_nodes(held, graph)
+    return matched if len(matched) == len(graph.nodes) else None
 
 
 def costed_graph(joint: JointGraph, real_inputs: list[torch.Tensor] | None, profile: Profile,
@@ -430,7 +434,7 @@ def _solver_gap(options: PlanOptions) -> float:
 def _held_start(held: Plan | None, graph: RematGraph, runner_up: bool = True) -> Schedule | None:
     """`held`'s schedule on `graph`, where that is the held plan's step at other input shapes: of
     the held plan's schedules (the one it runs, and with `runner_up` its `runner_up`), the one
-    whose graph's nodes each have their counterpart in `graph` (`rkgraph.graph.matching_nodes`;
+    whose graph's nodes each have their counterpart in `graph` (`_counterparts`;
     its kind of graph, autograd's or the lean variant), each node renamed to the one that
     computes the same there, each value to the same output of the renamed node, and replayed by
     the simulator (its `extra["held_gap"]`: the held schedule's gap to its floor). None where
@@ -439,10 +443,8 @@ def _held_start(held: Plan | None, graph: RematGraph, runner_up: bool = True) ->
     if held is None:
         return None
     for source in ((held.graph, held.schedule), held.runner_up if runner_up else None):
-        if source is not None and len(source[0].nodes) == len(graph.nodes):
-            matched = matching_nodes(source[0], graph)
-            if len(matched) == len(graph.nodes):
-                return _renamed(*source, graph, matched)
+        if source is not None and (matched := _counterparts(source[0], graph)) is not None:
+            return _renamed(*source, graph, matched)
     return None
 
 

@@ -178,6 +178,11 @@ def _collector_paused() -> Iterator[None]:
         gc.enable()
 
 
+def _fastest(schedules: Sequence[Schedule]) -> Schedule:
+    """The fastest of `schedules`; of equally fast ones, the one that peaks lowest."""
+    return min(schedules, key=lambda s: (s.predicted_time, s.predicted_peak))
+
+
 @_collector_paused()
 def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slots: int = 500,
                    block_time_limit: float = 1.0, gap: float = 0.01,
@@ -294,11 +299,11 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
             with contextlib.suppress(InfeasibleBudget):
                 candidates.append(solve_peak_shaving(
                     graph, budget, time_limit=polish_time, good_enough=floor * (1 + gap),
-                    seeds=[min(candidates, key=lambda s: (s.predicted_time, s.predicted_peak))], perturb=True))
+                    seeds=[_fastest(candidates)], perturb=True))
     if not candidates:
         raise InfeasibleBudget(f"no schedule found within {budget} bytes ({format_bytes(budget)}); "
                                f"{bounds.describe()}")
-    best = min(candidates, key=lambda s: (s.predicted_time, s.predicted_peak))
+    best = _fastest(candidates)
     if given_floor and best.predicted_time > floor * (1 + gap):
         tighter, tighter_reason = time_lower_bound(graph, budget)
         if tighter > floor:
