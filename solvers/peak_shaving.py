@@ -20,6 +20,7 @@ that the start from checkpointing every block, slower as it is, gets past.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import time
@@ -34,9 +35,9 @@ from solvers.dtr import solve_dtr
 from solvers.schedule import Op, Schedule
 from solvers.simulate import (
     InfeasibleBudget,
-    free_at_last_use,
-    freed_with,
-    held_by_code,
+    Lifetimes,
+    held_by_computes,
+    lifetimes,
     released_inside,
     simulate,
     to_recompute,
@@ -93,10 +94,22 @@ class _Clock:
 @dataclass
 class _Trial:
     drops: frozenset[Drop]
-    schedule: Schedule  # predicted_peak and predicted_time filled
-    values: list[int]  # memory at each op (`_Family._steps`)
+    lifetimes: Lifetimes
+    values: list[int]  # memory at each op of the schedule (`_Family._steps`)
     excess: int  # total bytes above the budget, over all computes
+    peak: int
+    time: float  # seconds, the sum of its computes' times
+    budget: int
     stage_starts: dict[int, int] | None = None  # stage -> its first op (`_Family.still_needed`)
+
+    @functools.cached_property
+    def schedule(self) -> Schedule:
+        """The schedule, predictions filled: written out only for the trials the search reads
+        op by op (most are measured and passed over)."""
+        ops, forward_length = self.lifetimes.ops()
+        schedule = Schedule(ops, forward_length, solver=NAME, budget=self.budget)
+        schedule.predicted_peak, schedule.predicted_time = self.peak, self.time
+        return schedule
 
 
 class _Family:
@@ -118,6 +131,9 @@ class _Family:
         self.times = {n.name: n.time for n in graph.nodes}
         self.random = frozenset(n.name for n in graph.nodes if n.random)
         self.step_bytes = {n.name: sum(self.size[d] for d in n.outputs) + n.workspace for n in graph.nodes}
+        self.releasing = {n.name: n for n in graph.nodes if n.releases}
+        self.tangent_bytes = sum(self.size[d] for d in self.tangents)
+        self.holds_more = bool(graph.rng_states or graph.mutated_sources)  # `held_by_computes`
 
     def build(self, drops: frozenset[Drop]) -> _Trial | None:
         """The family's schedule for `drops`, measured; None if it would recompute a random
@@ -151,61 +167,79 @@ class _Family:
                     available.update(outputs[name])
             computes.append(node.name)
             available.update(node.outputs)
-        ops, forward_length = free_at_last_use(graph, computes, forward_count)
-        schedule = Schedule(ops, forward_length, solver=NAME, budget=self.budget)
-        values, excess = self._steps(schedule)
-        schedule.predicted_peak = max(values, default=0)
+        spans = lifetimes(graph, computes, forward_count)
+        values, excess = self._steps(spans)
         times = self.times
-        schedule.predicted_time = sum([times[name] for kind, name in ops if kind == "compute"])
-        return _Trial(drops, schedule, values, excess)
+        return _Trial(drops, spans, values, excess, peak=max(values, default=0),
+                      time=sum([times[name] for name in spans.computes]), budget=self.budget)
 
-    def _steps(self, schedule: Schedule) -> tuple[list[int], int]:
-        """Memory at each op (during a compute: its outputs and workspace included; after a
-        free), as `simulate` counts it, and the total excess of the computes over the budget.
-        A twin of `simulate`'s accounting, without its checks: a trial built through `simulate`
-        takes markedly longer, and only the schedule returned needs the referee."""
-        graph, size, outputs, budget = self.graph, self.size, self.outputs, self.budget
-        ops, forward_length = schedule.ops, schedule.forward_length
+    def _steps(self, spans: Lifetimes) -> tuple[list[int], int]:
+        """Memory at each op of `spans`' schedule (during a compute: its outputs and workspace
+        included; after a free), as `simulate` counts it, and the total excess of the computes
+        over the budget. A twin of `simulate`'s accounting, without its checks and without
+        writing out the ops: a trial built through `simulate` takes markedly longer, and only
+        the schedule returned needs the referee."""
+        graph, size, outputs, budget, step_bytes = self.graph, self.size, self.outputs, self.budget, self.step_bytes
+        computes, forward_count, frees_after = spans.computes, spans.forward_count, spans.frees_after
         # What the generated code holds beyond the data (generator states of draws made again,
         # copies of mutated buffers): without it a trial that fits here could overshoot in the
         # referee, and the search would end with nothing.
-        held = held_by_code(graph, schedule)
+        held = None
+        if self.holds_more:
+            positions, forward_length = spans.positions()
+            held = held_by_computes(graph, zip(positions, computes), forward_length)
+        # (before, during, after) by op, for the few ops that have any: one lookup per compute.
+        held_at = {} if held is None else {i: (held.before.get(i, 0), held.during.get(i, 0), held.after.get(i, 0))
+                                           for i in {*held.before, *held.during, *held.after}}
         alive: set[str] = set()
         memory, values, excess = 0, [], 0
-        for i, (kind, name) in enumerate(ops):
-            if i == forward_length:
+        boundary: int | None = None  # memory at the phase boundary, counted with the first backward op
+        i = 0  # op index
+        for p in range(len(computes) + 1):
+            # (The boundary is counted with the op after it: with none, as `simulate`, not at all.)
+            if p == forward_count and (p < len(computes) or spans.boundary_frees):
                 if held is not None and held.copies:
                     memory += held.copies
                     excess += max(0, memory - budget)
                 alive.update(self.tangents)
-                memory += sum(size[d] for d in self.tangents)
+                memory += self.tangent_bytes
                 excess += max(0, memory - budget)
-                values.append(memory)  # the phase boundary, counted with the first backward op
-            if kind == "compute":
-                value = memory + self.step_bytes[name]
-                node = graph.nodes[graph.index[name]]
-                if node.releases:
-                    stop = forward_length if i < forward_length else len(ops)
-                    value -= released_inside(graph, node, freed_with(ops, i, stop))
-                if held is not None:
-                    memory += held.before.get(i, 0)
-                    value += held.before.get(i, 0) + held.during.get(i, 0)
-                for d in outputs[name]:
-                    if d not in alive:
-                        alive.add(d)
-                        memory += size[d]
-                if held is not None:
-                    memory -= held.after.get(i, 0)
-                if value > budget:
-                    excess += value - budget
-            else:  # never above the step before it
-                alive.discard(name)
-                memory -= size[name]
-                value = memory
-            if i == forward_length:
-                values[-1] = max(values[-1], value)
-            else:
-                values.append(value)
+                boundary = memory
+                for d in spans.boundary_frees:  # never above the step before
+                    alive.discard(d)
+                    memory -= size[d]
+                    values.append(memory if boundary is None else max(boundary, memory))
+                    boundary = None
+                    i += 1
+            if p == len(computes):
+                break
+            name = computes[p]
+            freed = frees_after.get(p)
+            value = memory + step_bytes[name]
+            node = self.releasing.get(name)
+            if node is not None and freed is not None:
+                value -= released_inside(graph, node, freed)
+            extra = held_at.get(i) if held_at else None
+            if extra is not None:
+                memory += extra[0]
+                value += extra[0] + extra[1]
+            for d in outputs[name]:
+                if d not in alive:
+                    alive.add(d)
+                    memory += size[d]
+            if extra is not None:
+                memory -= extra[2]
+            if value > budget:
+                excess += value - budget
+            values.append(value if boundary is None else max(boundary, value))
+            boundary = None
+            i += 1
+            if freed is not None:
+                for d in freed:  # never above the step before
+                    alive.discard(d)
+                    memory -= size[d]
+                    values.append(memory)
+                i += len(freed)
         return values, excess
 
     def still_needed(self, trial: _Trial, drop: Drop) -> bool:
@@ -315,11 +349,11 @@ def _repair(family: _Family, trial: _Trial, clock: _Clock,
             if other is None:
                 continue
             if other.excess >= trial.excess:
-                if other.schedule.predicted_peak < trial.schedule.predicted_peak:
-                    lowering.append((other.excess, other.schedule.predicted_time, other))
+                if other.peak < trial.peak:
+                    lowering.append((other.excess, other.time, other))
                 continue
             removed = trial.excess - other.excess
-            measured.append(((other.schedule.predicted_time - trial.schedule.predicted_time) / removed, drop, removed))
+            measured.append(((other.time - trial.time) / removed, drop, removed))
         if not measured:
             if not lowering:
                 return None
@@ -357,7 +391,7 @@ def _undo_unneeded(family: _Family, trial: _Trial, clock: _Clock) -> _Trial:
                 continue
             other = family.build(trial.drops - {drop})
             if (other is not None and other.excess == 0
-                    and other.schedule.predicted_time < trial.schedule.predicted_time):
+                    and other.time < trial.time):
                 trial, improved = other, True
                 clock.gained()
     return trial
@@ -368,7 +402,7 @@ def _dearest_first(family: _Family, trial: _Trial) -> list[Drop]:
     each schedule without one drop already): ruling them out is likeliest to pay."""
     def saved(drop: Drop) -> float:
         other = family.build(trial.drops - {drop})
-        return 0.0 if other is None else trial.schedule.predicted_time - other.schedule.predicted_time
+        return 0.0 if other is None else trial.time - other.time
 
     return sorted(trial.drops, key=lambda drop: (-saved(drop), drop))
 
@@ -392,14 +426,14 @@ def _improve(family: _Family, best: _Trial, clock: _Clock, good_enough: float) -
     """Ruin and recreate: rule out one drop, dearest first, repair, undo; keep what is faster."""
     best = _undo_unneeded(family, best, clock)
     improved = True
-    while improved and best.schedule.predicted_time > good_enough and not clock.over():
+    while improved and best.time > good_enough and not clock.over():
         improved = False
         for drop in _dearest_first(family, best):
             repaired = _repair(family, family.build(best.drops - {drop}), clock, ruled_out=frozenset({drop}))
             if repaired is None:
                 continue
             other = _undo_unneeded(family, repaired, clock)
-            if other.schedule.predicted_time < best.schedule.predicted_time:
+            if other.time < best.time:
                 best, improved = other, True
                 clock.gained()
                 break
@@ -410,14 +444,14 @@ def _kicked(family: _Family, best: _Trial, deadline: float, patience: float, goo
     """Iterated local search until `deadline`: `best` less a few of its drops at random, repaired
     with those ruled out, improved; kept where faster."""
     chosen = random.Random(0)
-    while best.drops and best.schedule.predicted_time > good_enough and time.perf_counter() < deadline:
+    while best.drops and best.time > good_enough and time.perf_counter() < deadline:
         kick = frozenset(chosen.sample(sorted(best.drops), min(KICK_DROPS, len(best.drops))))
         clock = _Clock(deadline, patience)
         repaired = _repair(family, family.build(best.drops - kick), clock, ruled_out=kick)
         if repaired is None:
             continue
         other = _improve(family, repaired, clock, good_enough)
-        if other.schedule.predicted_time < best.schedule.predicted_time:
+        if other.time < best.time:
             best = other
     return best
 
@@ -468,7 +502,7 @@ def solve_peak_shaving(graph: RematGraph, budget: int, time_limit: float = 2.0, 
             one_fits = True
     if not starts:
         raise InfeasibleBudget(f"peak shaving found no schedule within {budget} bytes ({format_bytes(budget)})")
-    pending = sorted({trial.drops: trial for trial in starts}.values(), key=lambda trial: trial.schedule.predicted_time)
+    pending = sorted({trial.drops: trial for trial in starts}.values(), key=lambda trial: trial.time)
     best = pending[0]
     # The starts fastest first, each improved until it stalls or the time runs out, not in
     # equal shares of the time: on a large model with ops of nearly equal cost a share is
@@ -477,10 +511,10 @@ def solve_peak_shaving(graph: RematGraph, budget: int, time_limit: float = 2.0, 
     # (hf_llama on launch-bound costs at 0.35).
     patience = max(PATIENCE_MIN, PATIENCE_SHARE * time_limit)
     for trial in pending:
-        if best.schedule.predicted_time <= good_enough or time.perf_counter() >= deadline:
+        if best.time <= good_enough or time.perf_counter() >= deadline:
             break
         improved = _improve(family, trial, _Clock(deadline, patience), good_enough)
-        if improved.schedule.predicted_time < best.schedule.predicted_time:
+        if improved.time < best.time:
             best = improved
     if perturb:
         best = _kicked(family, best, deadline, patience, good_enough)

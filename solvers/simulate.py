@@ -101,19 +101,25 @@ class HeldByCode:
 def held_by_code(graph: RematGraph, schedule: Schedule) -> HeldByCode | None:
     """What `schedule`'s generated code holds beyond the graph's data, by op (None when the
     graph has neither generator states nor mutated sources): `simulate` counts it, and so must
-    any search that measures schedules with an accounting of its own."""
+    any search that measures schedules with an accounting of its own (`held_by_computes`)."""
+    computes = ((i, op.name) for i, op in enumerate(schedule.ops) if op.kind == "compute")
+    return held_by_computes(graph, computes, schedule.forward_length)
+
+
+def held_by_computes(graph: RematGraph, computes: Iterable[tuple[int, str]], forward_length: int) -> HeldByCode | None:
+    """`held_by_code` of a schedule given by its computes, (op index, node) in order."""
     if not graph.rng_states and not graph.mutated_sources:
         return None
     held = HeldByCode()
     runs: dict[str, list[int]] = defaultdict(list)
     last_read: dict[str, int] = {}
-    for i, op in enumerate(schedule.ops):
-        if op.kind != "compute" or op.name not in graph.index:
+    for i, name in computes:
+        if name not in graph.index:
             continue
-        if op.name in graph.rng_states:
-            runs[op.name].append(i)
-        if i >= schedule.forward_length:
-            for d in graph.node(op.name).inputs:
+        if name in graph.rng_states:
+            runs[name].append(i)
+        if i >= forward_length and graph.mutated_sources:
+            for d in graph.node(name).inputs:
                 if d in graph.mutated_sources:
                     last_read[d] = i
     for name, positions in runs.items():
@@ -282,6 +288,52 @@ def simulate(graph: RematGraph, schedule: Schedule, budget: int | None = None) -
 # --- liveness -----------------------------------------------------------------------------
 
 
+@dataclass
+class Lifetimes:
+    """A compute order with the frees of `free_at_last_use` placed, before it is written out
+    as ops: what a search that measures thousands of orders needs (`solvers.peak_shaving`),
+    without making an op for each compute and free of each."""
+
+    computes: list[str]  # the computations kept, in order
+    forward_count: int  # how many of them run in the forward phase
+    frees_after: dict[int, list[str]]  # position in `computes` -> the data freed right after it
+    boundary_frees: list[str]  # freed as the backward phase starts, once the tangents appear
+
+    def ops(self) -> tuple[list[Op], int]:
+        """(ops, forward_length): the schedule's ops."""
+        computes, forward_count, frees_after, boundary_frees = (
+            self.computes, self.forward_count, self.frees_after, self.boundary_frees)
+        ops: list[Op] = []
+        forward_length = 0
+        for p, name in enumerate(computes):
+            if p == forward_count:
+                ops.extend([_op(Op, ("free", d)) for d in boundary_frees])
+            ops.append(_op(Op, ("compute", name)))
+            freed = frees_after.get(p)
+            if freed is not None:
+                ops.extend([_op(Op, ("free", d)) for d in freed])
+            if p == forward_count - 1:
+                forward_length = len(ops)
+        if forward_count == len(computes):
+            ops.extend([_op(Op, ("free", d)) for d in boundary_frees])
+        return ops, forward_length
+
+    def positions(self) -> tuple[list[int], int]:
+        """(the index in `ops()` of each compute, forward_length), without making the ops."""
+        positions: list[int] = []
+        frees_after, forward_count = self.frees_after, self.forward_count
+        i = forward_length = 0
+        for p in range(len(self.computes)):
+            if p == forward_count:
+                i += len(self.boundary_frees)
+            positions.append(i)
+            freed = frees_after.get(p)
+            i += 1 if freed is None else 1 + len(freed)
+            if p == forward_count - 1:
+                forward_length = i
+        return positions, forward_length
+
+
 def free_at_last_use(graph: RematGraph, computes: Sequence[str], forward_count: int,
                      keep: Iterable[str] = ()) -> tuple[list[Op], int]:
     """Turn an ordered list of compute nodes into ops with frees inserted as early as possible.
@@ -292,7 +344,13 @@ def free_at_last_use(graph: RematGraph, computes: Sequence[str], forward_count: 
     outputs and `keep`. Computations whose results are never used are dropped: solvers (the
     ILP especially, when a node costs nothing) may schedule useless work, and removing it can
     only lower time and memory, so it is done here once for all of them.
-    Returns (ops, forward_length).
+    Returns (ops, forward_length); `lifetimes` is the same before the ops are written out.
+    """
+    return lifetimes(graph, computes, forward_count, keep).ops()
+
+
+def lifetimes(graph: RematGraph, computes: Sequence[str], forward_count: int, keep: Iterable[str] = ()) -> Lifetimes:
+    """`free_at_last_use`'s frees, by the compute each follows (see there).
 
     One backward sweep does both: a compute's readers all come after it, so when it is reached
     they are settled (kept or dropped), and so are the next kept computation of each of its
@@ -316,7 +374,7 @@ def free_at_last_use(graph: RematGraph, computes: Sequence[str], forward_count: 
     next_def: dict[str, int] = {}  # data -> position of its next kept computation
     kept = [False] * m
     # (position, data, its last read or None, required at the boundary), last position first.
-    lifetimes: list[tuple[int, str, int | None, bool]] = []
+    spans: list[tuple[int, str, int | None, bool]] = []
     # (The searches call this thousands of times per plan: its loops are written out, not
     # generators, and its ops made without NamedTuple's constructor.)
     for p in range(m - 1, -1, -1):
@@ -336,7 +394,7 @@ def free_at_last_use(graph: RematGraph, computes: Sequence[str], forward_count: 
                 continue
             nxt = next_def.get(d, m)
             if not (d in keep_set and nxt == m):
-                lifetimes.append((p, d, last_read.get(d), d in fwd_out and p < forward_count <= nxt))
+                spans.append((p, d, last_read.get(d), d in fwd_out and p < forward_count <= nxt))
         for d in outputs:
             last_read.pop(d, None)
             next_def[d] = p
@@ -354,7 +412,7 @@ def free_at_last_use(graph: RematGraph, computes: Sequence[str], forward_count: 
     forward_count = rank[forward_count]
     frees_after: dict[int, list[str]] = {}
     boundary_frees: list[str] = []  # freed as the backward phase starts, once tangents appear
-    for p, d, last, required_at_boundary in reversed(lifetimes):
+    for p, d, last, required_at_boundary in reversed(spans):
         # After its last read, at the boundary if it is required there and unread after it,
         # right after its op if nobody reads it.
         if required_at_boundary and (last is None or rank[last] < forward_count):
@@ -366,21 +424,7 @@ def free_at_last_use(graph: RematGraph, computes: Sequence[str], forward_count: 
             else:
                 frees_after[q] = [d]
 
-    m = len(kept_computes)
-    ops: list[Op] = []
-    forward_length = 0
-    for p, name in enumerate(kept_computes):
-        if p == forward_count:
-            ops.extend([_op(Op, ("free", d)) for d in boundary_frees])
-        ops.append(_op(Op, ("compute", name)))
-        freed = frees_after.get(p)
-        if freed is not None:
-            ops.extend([_op(Op, ("free", d)) for d in freed])
-        if p == forward_count - 1:
-            forward_length = len(ops)
-    if forward_count == m:
-        ops.extend([_op(Op, ("free", d)) for d in boundary_frees])
-    return ops, forward_length
+    return Lifetimes(kept_computes, forward_count, frees_after, boundary_frees)
 
 
 def schedule_from_computes(graph: RematGraph, computes: Sequence[str], forward_count: int, *,

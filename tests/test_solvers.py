@@ -565,7 +565,13 @@ def test_peak_shaving_counts_memory_as_the_simulator_does(seed: int, fraction: f
                        if drops >> k & 1 and graph.users[d])
     trial = family.build(chosen)
     assume(trial is not None)
-    assert trial.schedule.predicted_peak == simulate(graph, trial.schedule).peak
+    result = simulate(graph, trial.schedule)
+    assert (trial.peak, trial.time) == (result.peak, result.time)
+    assert (trial.schedule.predicted_peak, trial.schedule.predicted_time) == (result.peak, result.time)
+    # Measured without writing out the ops: where each compute's op is must be where `ops` puts it.
+    ops, forward_length = trial.lifetimes.ops()
+    assert trial.lifetimes.positions() == ([i for i, op in enumerate(ops) if op.kind == "compute"], forward_length)
+    assert len(trial.values) == len(ops)
 
 
 @FAST
