@@ -58,6 +58,8 @@ REPAIR_SHARE = 0.5
 # backward order the portfolio tries, found nothing on the Hugging Face models at tight budgets.
 PATIENCE_SHARE = 0.25
 PATIENCE_MIN = 0.5  # seconds
+# Drops the undo phase tries to undo together first (`_undo_unneeded`).
+UNDO_GROUP = 8
 # With `perturb`, once every start has stalled: drops ruled out together in each kick (at most).
 KICK_DROPS = 3
 Drop = tuple[str, int]  # (data node, index of the node whose stage discards it)
@@ -383,17 +385,29 @@ def _undo_unneeded(family: _Family, trial: _Trial, clock: _Clock) -> _Trial:
         # The drops whose undoing brings the fewest bytes back first: the likeliest to fit. On
         # a large model of ops of nearly equal cost (a GPU step bound by kernel launches) the
         # time runs out before every drop is tried, and DTR's seeds drop tiny values (scalars, index
-        # ranges) whose recomputation costs as much as a matrix product's.
-        for drop in sorted(trial.drops, key=lambda drop: (family.graph.data[drop[0]].size, drop)):
+        # ranges) whose recomputation costs as much as a matrix product's. So UNDO_GROUP of
+        # them are first undone together, in one build: where that fits and is faster, each
+        # is spared its own.
+        order = sorted(trial.drops, key=lambda drop: (family.graph.data[drop[0]].size, drop))
+        for g in range(0, len(order), UNDO_GROUP):
             if clock.over():
                 return trial
-            if family.still_needed(trial, drop):
-                continue
-            other = family.build(trial.drops - {drop})
-            if (other is not None and other.excess == 0
-                    and other.time < trial.time):
-                trial, improved = other, True
-                clock.gained()
+            group = [drop for drop in order[g:g + UNDO_GROUP] if not family.still_needed(trial, drop)]
+            if len(group) > 1:
+                other = family.build(trial.drops - set(group))
+                if other is not None and other.excess == 0 and other.time < trial.time:
+                    trial, improved = other, True
+                    clock.gained()
+                    continue
+            for drop in group:
+                if clock.over():
+                    return trial
+                if family.still_needed(trial, drop):
+                    continue
+                other = family.build(trial.drops - {drop})
+                if other is not None and other.excess == 0 and other.time < trial.time:
+                    trial, improved = other, True
+                    clock.gained()
     return trial
 
 

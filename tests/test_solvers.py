@@ -660,6 +660,21 @@ def test_peak_shaving_undoes_the_drops_of_small_values_first(monkeypatch: pytest
     assert s.predicted_time < 0.75 * seed.predicted_time
 
 
+def test_peak_shaving_undoes_small_drops_together_where_that_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A seed that drops many small values (DTR's on a launch-bound GPU step) takes a build per
+    drop to undo one by one; undone UNDO_GROUP at a time, in one build where the group fits and
+    is faster, 15 builds take the minimum-memory seed of the graph above to the proven floor,
+    where one at a time they leave it above three quarters of its time."""
+    graph = training_graph([100, 1] * 8, [1.0] * 16)
+    budget = budget_at(graph, 0.1)
+    seed = min_memory_schedule(graph)
+    grouped = _shave_in_builds(monkeypatch, graph, budget, 15, [seed])
+    assert grouped.predicted_time == time_lower_bound(graph, budget)[0]
+    monkeypatch.setattr(peak_shaving, "UNDO_GROUP", 1)
+    alone = _shave_in_builds(monkeypatch, graph, budget, 15, [seed])
+    assert alone.predicted_time > 0.75 * seed.predicted_time
+
+
 @FAST
 @given(seed=st.integers(0, 10**6), fraction=st.floats(0, 1))
 def test_saved_values_runs_the_forward_once_and_fits(seed: int, fraction: float) -> None:
