@@ -320,6 +320,46 @@ def test_the_time_floor_never_exceeds_the_milps_optimum(seed: int, fraction: flo
     assert time_lower_bound(graph, budget)[0] <= result.objective + 1e-6
 
 
+def test_the_time_floor_takes_a_knapsack_at_nodes_below_the_highest_floors() -> None:
+    """The moment that binds need not be the node with the highest floor of its own (in Swin-T's
+    backward, a later layer's, with more of the forward read after it): the knapsacks run at
+    every needed node. On this graph, the highest one's knapsack alone proves 81, all of them 86."""
+    graph = random_training_graph(12)
+    budget = budget_at(graph, 0.2)
+    assert time_lower_bound(graph, budget, steps=1, closure=False)[0] == 81
+    assert time_lower_bound(graph, budget, closure=False)[0] == 86
+
+
+@FAST
+@given(seed=st.integers(0, 10**6), fraction=st.floats(0, 1))
+def test_the_time_floors_knapsacks_count_what_lives_across_each_moment_and_skip_only_what_cannot_bind(
+        seed: int, fraction: float) -> None:
+    """The knapsacks' weights are summed over bit sets (`_LiveAcross`): per producer, what an
+    ancestor of the moment makes and a descendant reads, less what is alive there anyway, as
+    a loop over the graph says. And a knapsack skipped because a greedy packing shows it cannot
+    beat the best so far changes nothing: without the skip, the same floor."""
+    graph = random_training_graph(seed)
+    budget = budget_at(graph, fraction)
+    ancestors, descendants = bounds._ancestors(graph), bounds._descendants(graph)
+    held = {*graph.backward_outputs, *graph.user_outputs}
+    live_across = bounds._LiveAcross(graph, ancestors, held)
+    for k, node in enumerate(graph.nodes):
+        alive = bounds._alive_at(graph, node, ancestors)
+        expected = []
+        for p in range(k):
+            if ancestors[k] >> p & 1:
+                weight = sum(graph.data[d].size for d in graph.nodes[p].outputs
+                             if d not in alive and d not in held and graph.data[d].kind != "tangent"
+                             and any(descendants[k] >> graph.index[u] & 1 for u in graph.users.get(d, ())))
+                if weight:
+                    expected.append((p, weight))
+        assert live_across.producers(k, alive) == expected
+    skipping = time_lower_bound(graph, budget, closure=False)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bounds, "_value_kept_greedily", lambda items, capacity: -math.inf)
+        assert time_lower_bound(graph, budget, closure=False) == skipping
+
+
 def test_the_time_floor_counts_the_inputs_of_what_is_made_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """A value made again after a moment needs its producer's inputs then too. The knapsacks
     alone price each remade value at its producer's time as if its inputs were at hand; the
