@@ -256,25 +256,22 @@ def time_lower_bound(graph: RematGraph, budget: int, steps: int | None = None, c
     for name in moments:
         k = graph.index[name]
         floor, _ = floors[name]
-        groups: list[tuple[float, int]] = []  # (producer time, bytes it leaves for k's descendants)
-        forced = 0
-        for p, weight in live_across.producers(k, _alive_at(graph, graph.nodes[k], ancestors, gradients)):
-            if graph.nodes[p].random:  # runs once: its outputs must stay
-                forced += weight
-            else:
-                groups.append((graph.nodes[p].time, weight))
-        slack = budget - floor - forced
+        # Per producer: its time and the bytes it leaves for k's descendants.
+        producers, weights = live_across.producers(k, _alive_at(graph, graph.nodes[k], ancestors, gradients))
+        random = live_across.random[producers]  # runs once: its outputs must stay
+        slack = budget - floor - int(weights[random].sum())
         if slack < 0:
             return math.inf, f"node {name}: the outputs of random nodes its descendants read do not fit"
-        total = sum(value for value, _ in groups)
+        times, weights = live_across.time[producers[~random]], weights[~random]
+        total = sum(times.tolist())
         # What a greedy packing keeps is kept by the best packing too: where even its extra is
         # no more than a knapsack's proven one, this moment's knapsack cannot prove more, and
         # its solve (most of a moment's time) is spared; its rating only ranks it below.
-        at_most = total - _value_kept_greedily(groups, slack)
+        at_most = total - _value_kept_greedily(times, weights, slack)
         if at_most <= most:
             rated.append((at_most, name, budget - floor, False))
             continue
-        extra = total - _most_value_kept(groups, slack)
+        extra = total - _most_value_kept(list(zip(times.tolist(), weights.tolist())), slack)
         most = max(most, extra)
         rated.append((extra, name, budget - floor, True))
     best, why = 0.0, "every needed node runs once"
@@ -528,6 +525,8 @@ class _LiveAcross:
         self.position = {d: j for j, (_, d) in enumerate(values)}
         self.producer = np.array([p for p, _ in values], dtype=np.int64)
         self.size = np.array([graph.data[d].size for _, d in values], dtype=np.float64)
+        self.time = np.array([node.time for node in graph.nodes], dtype=np.float64)
+        self.random = np.array([node.random for node in graph.nodes], dtype=bool)
         # Per value, the nodes some reader of it descends from: bit k set iff a descendant of
         # k reads it (a reader descends from k).
         readers_above = []
@@ -538,21 +537,24 @@ class _LiveAcross:
             readers_above.append(mask.to_bytes(self.width, "little"))
         self.readers_above = np.frombuffer(b"".join(readers_above), dtype=np.uint8).reshape(len(values), self.width)
 
-    def producers(self, k: int, alive: Iterable[str]) -> list[tuple[int, int]]:
-        """(producer, bytes) of what moment k counts, by producer in graph order, bytes > 0."""
+    def producers(self, k: int, alive: Iterable[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(producers, bytes) of what moment k counts, by producer in graph order, bytes > 0."""
         above = np.unpackbits(np.frombuffer(self.ancestors[k].to_bytes(self.width, "little"), dtype=np.uint8),
                               bitorder="little", count=self.count).astype(bool)
         live = ((self.readers_above[:, k >> 3] >> (k & 7)) & 1).astype(bool) & above[self.producer]
         live[[self.position[d] for d in alive if d in self.position]] = False
         weights = np.bincount(self.producer[live], weights=self.size[live], minlength=self.count)
-        return [(int(p), int(weights[p])) for p in np.flatnonzero(weights)]
+        producers = np.flatnonzero(weights)
+        return producers, weights[producers].astype(np.int64)
 
 
-def _value_kept_greedily(items: list[tuple[float, int]], capacity: int) -> float:
-    """The value of (value, weight) items that a greedy packing keeps within `capacity`, best
-    value per weight first: a lower bound on the most value that fits (`_most_value_kept`)."""
+def _value_kept_greedily(values: np.ndarray, weights: np.ndarray, capacity: int) -> float:
+    """The value of the items (values, weights > 0) that a greedy packing keeps within
+    `capacity`, best value per weight first, each that still fits: a lower bound on the most
+    value that fits (`_most_value_kept`)."""
+    order = np.argsort(-(values / weights), kind="stable")
     kept, room = 0.0, capacity
-    for value, weight in sorted(items, key=lambda item: item[0] / item[1], reverse=True):
+    for value, weight in zip(values[order].tolist(), weights[order].tolist()):
         if weight <= room:
             kept += value
             room -= weight

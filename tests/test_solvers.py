@@ -353,10 +353,11 @@ def test_the_time_floors_knapsacks_count_what_lives_across_each_moment_and_skip_
                              and any(descendants[k] >> graph.index[u] & 1 for u in graph.users.get(d, ())))
                 if weight:
                     expected.append((p, weight))
-        assert live_across.producers(k, alive) == expected
+        producers, weights = live_across.producers(k, alive)
+        assert list(zip(producers.tolist(), weights.tolist())) == expected
     skipping = time_lower_bound(graph, budget, closure=False)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(bounds, "_value_kept_greedily", lambda items, capacity: -math.inf)
+        patch.setattr(bounds, "_value_kept_greedily", lambda values, weights, capacity: -math.inf)
         assert time_lower_bound(graph, budget, closure=False) == skipping
 
 
