@@ -520,8 +520,8 @@ class _LiveAcross:
         self.count = len(graph.nodes)
         self.width = (self.count + 7) // 8
         self.ancestors = ancestors
-        values = [(graph.index[producer], d) for producer in (n.name for n in graph.nodes)
-                  for d in graph.node(producer).outputs if d not in held and graph.data[d].kind != "tangent"]
+        values = [(p, d) for p, producer in enumerate(graph.nodes) for d in producer.outputs
+                  if d not in held and graph.data[d].kind != "tangent"]
         self.position = {d: j for j, (_, d) in enumerate(values)}
         self.producer = np.array([p for p, _ in values], dtype=np.int64)
         self.size = np.array([graph.data[d].size for _, d in values], dtype=np.float64)

@@ -378,6 +378,12 @@ def _repair(family: _Family, trial: _Trial, clock: _Clock,
     return trial
 
 
+def _faster_without(family: _Family, trial: _Trial, undone: set[Drop]) -> _Trial | None:
+    """`trial` with the drops `undone` undone, where that fits and is faster; else None."""
+    other = family.build(trial.drops - undone)
+    return other if other is not None and other.excess == 0 and other.time < trial.time else None
+
+
 def _undo_unneeded(family: _Family, trial: _Trial, clock: _Clock) -> _Trial:
     improved = True
     while improved:
@@ -392,20 +398,18 @@ def _undo_unneeded(family: _Family, trial: _Trial, clock: _Clock) -> _Trial:
         for g in range(0, len(order), UNDO_GROUP):
             if clock.over():
                 return trial
+            grouped = trial  # (`still_needed` is asked again only of a trial that has changed)
             group = [drop for drop in order[g:g + UNDO_GROUP] if not family.still_needed(trial, drop)]
-            if len(group) > 1:
-                other = family.build(trial.drops - set(group))
-                if other is not None and other.excess == 0 and other.time < trial.time:
-                    trial, improved = other, True
-                    clock.gained()
-                    continue
+            if len(group) > 1 and (other := _faster_without(family, trial, set(group))) is not None:
+                trial, improved = other, True
+                clock.gained()
+                continue
             for drop in group:
                 if clock.over():
                     return trial
-                if family.still_needed(trial, drop):
+                if trial is not grouped and family.still_needed(trial, drop):
                     continue
-                other = family.build(trial.drops - {drop})
-                if other is not None and other.excess == 0 and other.time < trial.time:
+                if (other := _faster_without(family, trial, {drop})) is not None:
                     trial, improved = other, True
                     clock.gained()
     return trial
