@@ -35,6 +35,7 @@ from torch._functorch.aot_autograd import aot_function, make_boxed_compiler, mak
 from torch._functorch.partitioners import default_partition
 from torch._subclasses import FakeTensor, FakeTensorMode
 from torch.func import functional_call
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
 from rkgraph.hooks import HookChain, capture_hint, hooks_as_calls, warn_of_traced_hooks
 
@@ -534,6 +535,9 @@ def trace(
         fx_traceback.preserve_node_meta(),
         torch.enable_grad(),
         traced_as_compiling(),
+        # The joint graph's Python code is generated when it is first run, not at each
+        # recompile: tracing, the rewrites and planning only read its graph (as under torch.compile).
+        _use_lazy_graph_module(True),
     ):
         in_trace = _IN_TRACE.set(True)
         try:
