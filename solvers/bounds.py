@@ -68,13 +68,11 @@ def _held_at(graph: RematGraph, node: ComputeNode) -> list[str]:
     return [*graph.tangents, *graph.user_outputs] if node.backward else []
 
 
-def _alive_at(graph: RematGraph, node: ComputeNode, ancestors: list[int],
-              gradients: list[tuple[int, str]] | None = None) -> list[str]:
+def _alive_at(graph: RematGraph, node: ComputeNode, ancestors: list[int]) -> list[str]:
     """The data alive while `node` runs in any schedule (`_step_floors`): its inputs and outputs,
-    what a backward node holds, and the gradients its ancestors made (`gradients`: the graph's
-    `_gradients`, for a caller that asks at every node)."""
+    what a backward node holds, and the gradients its ancestors made."""
     k = graph.index[node.name]
-    before = [d for i, d in (_gradients(graph) if gradients is None else gradients) if ancestors[k] >> i & 1]
+    before = [d for i, d in _gradients(graph) if ancestors[k] >> i & 1]
     return list(dict.fromkeys([*node.inputs, *node.outputs, *_held_at(graph, node), *before]))
 
 
@@ -250,14 +248,15 @@ def time_lower_bound(graph: RematGraph, budget: int, steps: int | None = None, c
     readers = {d: sum(1 << graph.index[u] for u in users) for d, users in graph.users.items()}
     moments = sorted(needed, key=lambda n: -floors[n][0])[:steps]
     live_across = _LiveAcross(graph, ancestors, held)
-    gradients = _gradients(graph)
     rated: list[tuple[float, str, int, bool]] = []  # (knapsack's extra time, node, bytes left for values, exact)
     most = 0.0  # the most extra time a knapsack has proven so far
     for name in moments:
         k = graph.index[name]
         floor, _ = floors[name]
-        # Per producer: its time and the bytes it leaves for k's descendants.
-        producers, weights = live_across.producers(k, _alive_at(graph, graph.nodes[k], ancestors, gradients))
+        # Per producer: its time and the bytes it leaves for k's descendants. Of what is alive
+        # at k anyway (its floor counts it), only k's own inputs and outputs can be among them:
+        # the rest of `_alive_at`'s (tangents, user outputs, gradients) is held, never weighed.
+        producers, weights = live_across.producers(k, [*graph.nodes[k].inputs, *graph.nodes[k].outputs])
         random = live_across.random[producers]  # runs once: its outputs must stay
         slack = budget - floor - int(weights[random].sum())
         if slack < 0:
