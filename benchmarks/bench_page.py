@@ -19,6 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ROOT / "docs" / "benchmarks"
 CPUINFO = "/proc/cpuinfo"  # Linux's description of the CPU: the machine's, not the project's data
+# Every page times planning or the plans it makes: each script plans afresh, never reading a plan
+# an earlier run cached (`rockplan.plan_cache`); the processes it starts inherit this.
+os.environ["ROCKPLAN_PLAN_CACHE"] = "off"
 # The machine's load when the script started: the machines are shared, and times read with it.
 _LOAD_AT_START = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 

@@ -12,7 +12,9 @@ Per model: graph nodes (autograd's graph, after the rewrites), and seconds spent
   step, or estimated: `--profile`) and cutting it into blocks;
 - solve: the portfolio, split by its stages (the proven floors, DTR's variants, saved values,
   peak shaving, greedy checkpoints, the chain of blocks, the flat MILP), and the referee;
-and the process's peak resident memory (ru_maxrss) with how much planning raised it.
+and the process's peak resident memory (ru_maxrss) with how much planning raised it; then, in
+another fresh interpreter, the same plan again as a script run again makes it, read from the
+plan cache the first one wrote (`rockplan.plan_cache`).
 Where the budget is below what the model can run in (a large model's parameters and gradients
 alone can be over 0.7 of its peak), the row says so, with how long the refusal took, and its
 figures are those of a plan at the smallest budget known to be feasible
@@ -32,6 +34,7 @@ import json
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -215,10 +218,13 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def plan_one(name: str, budget: float | int, profile: str) -> dict[str, object]:
-    """Plan model `name` at `budget` (a ratio of its peak, or bytes), timed by stage. When the
-    budget is refused, the graph's size and the smallest budget known to fit are still
-    reported (`min_feasible`, bytes), from the plan that stores everything."""
+def plan_one(name: str, budget: float | int, profile: str, cache: str | None = None,
+             restart: bool = False) -> dict[str, object]:
+    """Plan model `name` at `budget` (a ratio of its peak, or bytes), timed by stage, keeping
+    plans in `cache` (a directory; None: none). When the budget is refused, the graph's size and
+    the smallest budget known to fit are still reported (`min_feasible`, bytes), from the plan
+    that stores everything. `restart`: the same plan again, as a script run again does (its
+    plan read from `cache`): only its total is wanted, no replan."""
     import importlib
 
     import torch
@@ -242,7 +248,7 @@ def plan_one(name: str, budget: float | int, profile: str) -> dict[str, object]:
     min_feasible = None
     with stack:
         try:
-            rk = Rockmate(model, sample, budget, profile=profile)
+            rk = Rockmate(model, sample, budget, profile=profile, plan_cache=cache or False)
             plan = rk.plan
             outcome = f"{plan.schedule.extra.get('schedule_from', plan.schedule.solver)}"
         except InfeasibleBudget:
@@ -253,7 +259,7 @@ def plan_one(name: str, budget: float | int, profile: str) -> dict[str, object]:
     if outcome == "infeasible":  # after the figures: this plan is not the one timed
         plan = Rockmate(model, sample, 1.0, solver="store_all", profile=profile).plan
         min_feasible = min_feasible_budget(plan.graph)
-    elif name not in DEPTH_SERIES:  # (those plan on fake tensors: they run no step)
+    elif name not in DEPTH_SERIES and not restart:  # (those plan on fake tensors: they run no step)
         replan = _replan_seconds(rk, _other_batch(sample))
         smaller = _other_batch(_other_batch(sample))
         if replan is not None and _shapes(smaller) != _shapes(sample):  # (a batch of 2: back to the sample's)
@@ -335,12 +341,14 @@ def markdown(rows: list[dict[str, object]], ratio: float) -> str:
         "fake tensors), the refusals, nor the zoo models whose loss holds targets for the sample's batch only. "
         "Reuse s: then a step one example fewer again with on_new_input=\"reuse\" (the budget the latest plan's "
         "bytes): its planning call, which runs the held plan where the simulator fits it, or else plans "
-        "(\"planned\"); not where the batch is 2 (one fewer again is the sample's).",
+        "(\"planned\"); not where the batch is 2 (one fewer again is the sample's). Restart s: the same "
+        "plan in a new process, as a script run again makes it: its plan read from the plan cache "
+        "(`rockplan.plan_cache`, on by default), so the step is traced but neither replayed nor solved.",
         "",
         "| model | profile | nodes | total s | capture s | of which trace s | profile s | solve s | "
         f"{' | '.join(stages)} | "
-        "peak RSS | planning added | replan s | reuse s | plan from |",
-        f"|---|---|---|---|---|---|---|---|{'---|' * len(stages)}---|---|---|---|---|",
+        "peak RSS | planning added | replan s | reuse s | restart s | plan from |",
+        f"|---|---|---|---|---|---|---|---|{'---|' * len(stages)}---|---|---|---|---|---|",
     ]
     for r in rows:
         s = r["seconds"]
@@ -352,6 +360,7 @@ def markdown(rows: list[dict[str, object]], ratio: float) -> str:
                      f"{s.get('profile', 0.0):.1f} | {solve:.1f} | {' | '.join(cells)} | "
                      f"{r['peak_rss'] / 2**20:.0f} MiB | {r['planning_rss'] / 2**20:.0f} MiB | "
                      f"{'' if r.get('replan') is None else format(r['replan'], '.1f')} | {_reuse_cell(r)} | "
+                     f"{'' if r.get('restart') is None else format(r['restart'], '.1f')} | "
                      f"{r['outcome']} |")
     return "\n".join(lines)
 
@@ -386,10 +395,10 @@ def plot(rows: list[dict[str, object]], path: Path) -> None:
     plt.close(fig)
 
 
-def _child(name: str, budget: list[str], profile: str) -> dict[str, object] | None:
+def _child(name: str, budget: list[str], profile: str, cache: str, restart: bool = False) -> dict[str, object] | None:
     """`plan_one`'s row, from a fresh interpreter (None, said on stderr, when it failed)."""
-    done = subprocess.run([sys.executable, __file__, "--one", name, *budget, "--profile", profile],
-                          capture_output=True, text=True)
+    done = subprocess.run([sys.executable, __file__, "--one", name, *budget, "--profile", profile, "--cache", cache,
+                           *(["--restart"] if restart else [])], capture_output=True, text=True)
     if done.returncode != 0:
         print(f"{name}: failed\n{done.stderr[-2000:]}", file=sys.stderr, flush=True)
         return None
@@ -404,23 +413,32 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=PAGES / "plan-time.md", help="the generated page")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the child: plan this model, print JSON
     parser.add_argument("--bytes", type=int, help=argparse.SUPPRESS)  # the child's budget, instead of --ratio
+    parser.add_argument("--cache", help=argparse.SUPPRESS)  # the child's plan cache
+    parser.add_argument("--restart", action="store_true", help=argparse.SUPPRESS)  # the child plans again
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(plan_one(args.one, args.ratio if args.bytes is None else args.bytes, args.profile)))
+        print(json.dumps(plan_one(args.one, args.ratio if args.bytes is None else args.bytes, args.profile,
+                                  args.cache, args.restart)))
         return
     rows = []
     for name in args.models.split(","):
-        row = _child(name, ["--ratio", str(args.ratio)], args.profile)
-        if row is not None and row["outcome"] == "infeasible":
-            # Refused: the row's figures become those of a plan at the smallest feasible budget.
-            refused = row
-            row = _child(name, ["--bytes", str(refused["min_feasible"])], args.profile)
-            if row is not None:
-                row["outcome"] = (f"{args.ratio} infeasible (refused in {refused['total']:.1f} s); at the smallest "
-                                  f"feasible budget, {refused['min_feasible'] / refused['store_all_peak']:.2f} of "
-                                  f"the peak: {row['outcome']}")
+        # The plan cache is on by default: each model's own, empty at its first plan.
+        with tempfile.TemporaryDirectory(prefix="rockplan-plans-") as cache:
+            budget = ["--ratio", str(args.ratio)]
+            row = _child(name, budget, args.profile, cache)
+            if row is not None and row["outcome"] == "infeasible":
+                # Refused: the row's figures become those of a plan at the smallest feasible budget.
+                refused = row
+                budget = ["--bytes", str(refused["min_feasible"])]
+                row = _child(name, budget, args.profile, cache)
+                if row is not None:
+                    share = refused["min_feasible"] / refused["store_all_peak"]
+                    row["outcome"] = (f"{args.ratio} infeasible (refused in {refused['total']:.1f} s); at the "
+                                      f"smallest feasible budget, {share:.2f} of the peak: {row['outcome']}")
+            again = None if row is None else _child(name, budget, args.profile, cache, restart=True)
         if row is None:
             continue
+        row["restart"] = None if again is None else again["total"]
         rows.append(row)
         print(f"{name}: {row['nodes']} nodes, {row['total']:.1f} s, {row['outcome']}", flush=True)
         write_page(args.out, "Planning time by stage", markdown(rows, args.ratio))

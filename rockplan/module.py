@@ -47,6 +47,7 @@ from rockplan.decisions import decide
 from rockplan.distributed import check_engine_order
 from rockplan.explain import explain
 from rockplan.inductor import decompositions, inductor_compiler, measured_step_peak, seed_random_ops
+from rockplan.plan_cache import PlanCache, cache_directory
 from rockplan.plan_file import export_plan
 from rockplan.planner import DEFAULT_SOLVER, Plan, PlanOptions, plan, reuse
 from rockplan.plots import plot_memory
@@ -154,6 +155,12 @@ class Rockmate(nn.Module):
     ones are captured but not solved (they recompute what a plan of their own might keep). The
     `max_plans` most recently used plans are held; older ones are dropped and made again if
     their input comes back.
+    `plan_cache`: where plans are kept between runs (`rockplan.plan_cache`): a script run again
+    with the same model, shapes, budget and options traces its step but reads its plan instead
+    of profiling and solving it again. A directory; None (the default) for what the
+    ROCKPLAN_PLAN_CACHE environment variable says (a directory, or "off"), else
+    ~/.cache/rockplan/plans; False for none. Not for a sharded model (its ranks agree on one
+    plan) nor one planned graph by graph through torch.compile (graph breaks).
     The model's hooks run in each step as in eager, on values without autograd history, never
     while planning; a hook that returns a value is traced into the step (`rkgraph.hooks`).
     Pickling (`torch.save(rk)`, `copy.deepcopy`) keeps the model and how to plan, not the plans
@@ -173,6 +180,7 @@ class Rockmate(nn.Module):
         solver_options: dict | None = None,
         plan_file: str | Path | None = None,
         max_plans: int = 8,
+        plan_cache: str | Path | bool | None = None,
     ) -> None:
         super().__init__()
         self._sharded = check_engine_order(model, backend)  # FSDP2 from the root: run inside its hooks
@@ -194,6 +202,10 @@ class Rockmate(nn.Module):
                                    plan_file=plan_file, replay_rng=backend != "inductor",
                                    lean_variant=backend != "inductor", name=type(model).__name__)
         self.max_plans = max_plans
+        directory = cache_directory(plan_cache)
+        # Sharded, the ranks agree on one plan (`distributed.Sharded.agree`), which a plan one
+        # rank read from its own cache would bypass.
+        self._plan_cache = None if directory is None or self._sharded is not None else PlanCache(directory)
         self._steps: OrderedDict[tuple, PlannedStep] = OrderedDict()  # least recently used first
         self._replanned = False  # warned once, logged after
         self._warned_torch_compile = False
@@ -353,7 +365,8 @@ class Rockmate(nn.Module):
             if reused is not None and reused.reference.predicted_peak <= reused.budget:
                 reused = None  # storing everything fits: planned anew, it recomputes nothing
             # Planned anew, from the latest plan where it is the same step at other shapes.
-            planned.append(reused or plan(joint, here, options, real, held=next(iter(held), None)))
+            planner = plan if self._plan_cache is None else self._plan_cache.plan
+            planned.append(reused or planner(joint, here, options, real, held=next(iter(held), None)))
             if self._sharded is not None:
                 planned[0] = self._sharded.agree(planned[0], joint, here, options, real)
             progress.stage("generate")

@@ -28,6 +28,9 @@ from rkgraph.profile import joint_device
 # CUDA tests measure with the allocator set as the README advises (read when CUDA is first used):
 # without expandable segments a cached block larger than the request counts whole.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+# Each test plans afresh (its solver calls, its profile), never reading a plan cached by an earlier
+# test or run: tests of the cache give it a directory of their own.
+os.environ["ROCKPLAN_PLAN_CACHE"] = "off"
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -1,0 +1,135 @@
+"""Plans kept on disk between runs (`rockplan.plan_cache`): read back in place of the profile's
+replays and the solve where everything planning depends on is the same, planned anew where
+anything differs or the cached plan no longer matches, never an error of its own."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+import rkgraph
+from rkgraph import capture_joint
+from rockplan import Rockmate, zoo
+from rockplan.plan_cache import ENVIRONMENT, PlanCache, cache_directory, cache_key
+from rockplan.plan_file import read_plan
+from rockplan.planner import PlanOptions
+
+
+def _gpt() -> tuple[torch.nn.Module, tuple, dict]:
+    """A GPT whose plan at half its peak is the lean variant's, with dropout replayed."""
+    torch.manual_seed(0)
+    model = zoo.GPT(vocab_size=128, block_size=256, n_layer=2, n_head=4, n_embd=32, dropout=0.1)
+    return model, (torch.randint(0, 128, (2, 256)),), {}
+
+
+def _step(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
+    torch.manual_seed(1)
+    out = model(*args, **kwargs)
+    leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
+    return out
+
+
+def _entries(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*.plan.json"))
+
+
+def test_a_plan_is_read_back_instead_of_profiled_and_solved(tmp_path: Path, rockmate_calls: list,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second Rockmate of the same model, sample, budget and options replays nothing and
+    solves nothing: it runs the same schedule (here the lean variant's, which autograd's graph
+    does not match), says what was weighed when it was planned, and trains as the first."""
+    replays = []
+    measure = rkgraph.measure_times
+    monkeypatch.setattr(rkgraph, "measure_times", lambda *a, **k: replays.append(1) or measure(*a, **k))
+    model, args, kwargs = _gpt()
+    copied = copy.deepcopy(model)
+    first = Rockmate(model, (args, kwargs), 0.5, plan_cache=tmp_path)
+    assert rockmate_calls and replays and len(_entries(tmp_path)) == 1
+    assert first.considered  # autograd's graph, weighed and not run
+    rockmate_calls.clear()
+    replays.clear()
+    second = Rockmate(copied, (args, kwargs), 0.5, plan_cache=tmp_path)
+    assert not rockmate_calls and not replays
+    assert "autograd's graph" in first.considered and "masks packed" in second.explain()
+    assert [str(op) for op in second.schedule.ops] == [str(op) for op in first.schedule.ops]
+    assert second.considered == first.considered and second.budget == first.budget
+    assert second.schedule.lower_bound == first.schedule.lower_bound
+    assert second.profile_times() == first.profile_times()
+    torch.testing.assert_close(_step(second, args, kwargs), _step(first, args, kwargs), rtol=0, atol=0)
+    for (name, p), q in zip(model.named_parameters(), copied.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=f"gradient of {name}")
+    # Another budget is another plan: planned, and kept beside the first.
+    Rockmate(copy.deepcopy(copied), (args, kwargs), 0.6, plan_cache=tmp_path)
+    assert rockmate_calls and len(_entries(tmp_path)) == 2
+
+
+def test_a_cached_plan_that_no_longer_matches_is_planned_anew(tmp_path: Path, rockmate_calls: list) -> None:
+    """An entry whose graph differs from the one captured (here a node's scratch changed, as
+    another kernel would change it) or that is damaged is planned anew, without an error, and
+    written again."""
+    model, (idx,), _, _ = zoo.make("gpt", "tiny")
+    Rockmate(copy.deepcopy(model), idx, 0.5, profile="estimate", plan_cache=tmp_path)
+    (path,) = _entries(tmp_path)
+    document = json.loads(path.read_text())
+    workspace = document["graph"]["nodes"][3]["workspace"]
+    document["graph"]["nodes"][3]["workspace"] += 1
+    path.write_text(json.dumps(document))
+    rockmate_calls.clear()
+    Rockmate(copy.deepcopy(model), idx, 0.5, profile="estimate", plan_cache=tmp_path)
+    assert rockmate_calls
+    assert read_plan(path).graph.nodes[3].workspace == workspace  # written again
+    path.write_text("{not json")
+    rockmate_calls.clear()
+    Rockmate(copy.deepcopy(model), idx, 0.5, profile="estimate", plan_cache=tmp_path)
+    assert rockmate_calls and read_plan(path).graph.nodes[3].workspace == workspace
+    rockmate_calls.clear()
+    Rockmate(copy.deepcopy(model), idx, 0.5, profile="estimate", plan_cache=tmp_path)
+    assert not rockmate_calls
+
+
+def test_the_key_holds_the_graph_budget_and_options() -> None:
+    """The same step traced twice has one key; another budget, solver option, profile or input
+    shape has another."""
+    model, (idx,), _, _ = zoo.make("gpt", "tiny")
+    joint = capture_joint(model, (idx,))
+    options = PlanOptions(profile="estimate")
+    key = cache_key(joint, 0.5, options)
+    assert cache_key(capture_joint(model, (idx,)), 0.5, options) == key
+    others = [cache_key(joint, 0.6, options), cache_key(joint, 0.5, PlanOptions(profile="measure")),
+              cache_key(joint, 0.5, PlanOptions(profile="estimate", solver_options={"time_limit": 5})),
+              cache_key(capture_joint(model, (idx[:, :-1].clone(),)), 0.5, options)]
+    assert len({key, *others}) == 5
+
+
+def test_the_least_recently_used_plans_are_removed(tmp_path: Path) -> None:
+    model, (idx,), _, _ = zoo.make("gpt", "tiny")
+    joint = capture_joint(model, (idx,))
+    cache = PlanCache(tmp_path, entries=2)
+    options = PlanOptions(profile="estimate")
+    for budget in (0.5, 0.6, 0.7):
+        cache.plan(joint, budget, options)
+    kept = {path.name.removesuffix(".plan.json") for path in _entries(tmp_path)}
+    assert kept == {cache_key(joint, budget, options) for budget in (0.6, 0.7)}
+    assert len(list(tmp_path.glob("*.times.json"))) == 2
+
+
+def test_where_plans_are_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENVIRONMENT, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache_directory(None) == tmp_path / "rockplan" / "plans"
+    assert cache_directory(tmp_path / "mine") == tmp_path / "mine"
+    assert cache_directory(False) is None
+    monkeypatch.setenv(ENVIRONMENT, str(tmp_path / "env"))
+    assert cache_directory(None) == tmp_path / "env"
+    monkeypatch.setenv(ENVIRONMENT, "off")
+    assert cache_directory(None) is None
+    assert cache_directory(tmp_path / "given") == tmp_path / "given"  # an explicit directory wins
+    model, (idx,), _, _ = zoo.make("gpt", "tiny")
+    Rockmate(model, idx, 0.5, profile="estimate", plan_cache=False)
+    assert not (tmp_path / "rockplan").exists()
