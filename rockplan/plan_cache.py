@@ -85,12 +85,13 @@ class PlanCache:
             profile = options.profile if options.profile == "estimate" else times
             try:
                 found = plan(joint, budget, dataclasses.replace(options, profile=profile, plan_file=path), real_inputs)
-            except (PlanMismatch, InfeasibleBudget, ValueError) as e:
+                # What was weighed when it was planned, not what loading its file tried.
+                found = dataclasses.replace(found, considered=read_plan(path).considered)
+            except (PlanMismatch, InfeasibleBudget, ValueError, OSError) as e:
                 log.info("the cached plan %s is not used, planning anew: %s", path, e)
             else:
                 log.info("plan of %s read from the cache: %s", options.name or "the model", path)
-                # What was weighed when it was planned, not what loading its file tried.
-                return dataclasses.replace(found, considered=read_plan(path).considered)
+                return found
         found = plan(joint, budget, options, real_inputs, held)
         self._write(key, found)
         return found
