@@ -37,7 +37,7 @@ from torch import fx
 
 from rkgraph import RescaledTimes, joint_device
 from rkgraph.capture import JointGraph
-from rockplan.plan_file import PlanMismatch, plan_document, read_plan
+from rockplan.plan_file import PlanMismatch, plan_document, read_plan, rockplan_version
 from rockplan.planner import Plan, PlanOptions, plan
 from solvers import InfeasibleBudget
 
@@ -149,7 +149,7 @@ def cache_key(joint: JointGraph, budget: int | float | str, options: PlanOptions
     """A hash of everything a plan of `joint` within `budget` depends on (the module's docstring)."""
     digest = hashlib.sha256()
     device = joint_device(joint.module)
-    for part in (_source_hash(), torch.__version__, _device_description(device), repr(budget),
+    for part in (rockplan_version(), _source_hash(), torch.__version__, _device_description(device), repr(budget),
                  options.solver, _described(dict(options.solver_options)), _profile_described(options.profile),
                  options.replay_rng, options.lean_variant, joint.num_fwd_outputs):
         digest.update(repr(part).encode())

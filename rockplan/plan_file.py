@@ -123,7 +123,8 @@ def first_difference(planned: RematGraph, captured: RematGraph) -> str | None:
 # --- writing ----------------------------------------------------------------------------------
 
 
-def _rockplan_version() -> str:
+def rockplan_version() -> str:
+    """The installed package's version ("unknown" in a checkout run without installing it)."""
     try:
         return version("rockplan")
     except PackageNotFoundError:  # run from a checkout without installing
@@ -153,7 +154,7 @@ def plan_document(graph: RematGraph, schedule: Schedule, reference: tuple[int, f
     return {
         "format": FORMAT,
         "version": VERSION,
-        "created_by": {"rockplan": _rockplan_version(), "torch": torch.__version__},
+        "created_by": {"rockplan": rockplan_version(), "torch": torch.__version__},
         "graph": {
             "name": graph.name,
             "fingerprint": fingerprint(graph),
