@@ -133,3 +133,20 @@ def test_where_plans_are_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     model, (idx,), _, _ = zoo.make("gpt", "tiny")
     Rockmate(model, idx, 0.5, profile="estimate", plan_cache=False)
     assert not (tmp_path / "rockplan").exists()
+
+
+def test_a_new_input_shape_is_read_back_too(tmp_path: Path, rockmate_calls: list) -> None:
+    """The plan for a new input signature, made in the step on the first plan's times rescaled,
+    is cached as any plan: run again, neither the sample's plan nor that one is solved."""
+    model, (idx,), _, _ = zoo.make("gpt", "tiny")
+    shorter = idx[:, : 3 * idx.shape[1] // 4].clone()
+    outputs = []
+    for run in range(2):
+        rockmate_calls.clear()
+        rk = Rockmate(copy.deepcopy(model), idx, 0.5, plan_cache=tmp_path)
+        with pytest.warns(UserWarning, match="planned for a new input"):
+            torch.manual_seed(1)
+            outputs.append(rk(shorter))
+        assert bool(rockmate_calls) == (run == 0)
+    assert len(_entries(tmp_path)) == 2
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=0)
