@@ -3,10 +3,11 @@
 Planning a step is a trace, a profile (a measured one replays the step several times) and a
 search that can take seconds to minutes; a script run again with the same model, input shapes,
 budget and options would find the same plan. So each plan is written to a directory (the plan
-file `Rockmate.export` writes, readable by `rockplan explain`, and beside it the node times it
-was planned on), under a key of everything planning depends on, and read back where the key
-matches: the step is still traced (its code is generated from the trace), but not replayed nor
-solved.
+file `Rockmate.export` writes, readable by `rockplan explain`), under a key of everything
+planning depends on, and read back where the key matches: the step is still traced (its code
+is generated from the trace), but not replayed nor solved. The node times it was planned on are
+kept under a key without the budget and the planning options, so another budget or solver for
+the same step (a sweep) is solved but not replayed.
 
 Nothing is taken on trust. The key holds the captured joint graph (every op, its arguments and
 the shapes, strides and dtypes it makes), the budget, the planning options, the device, the
@@ -24,6 +25,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import tempfile
@@ -66,7 +68,9 @@ def cache_directory(setting: str | Path | bool | None) -> Path | None:
 
 class PlanCache:
     """Plans by key in `directory` (see the module's docstring): `plan` is `rockplan.planner.plan`
-    that reads a matching plan instead of profiling and solving, and writes what it plans."""
+    that reads a matching plan instead of profiling and solving, and writes what it plans. The
+    node times are kept by a key of their own, without the budget and the planning options:
+    another budget or solver for the same step replays nothing either (only its solve runs)."""
 
     def __init__(self, directory: str | Path, entries: int = ENTRIES) -> None:
         self.directory = Path(directory)
@@ -76,13 +80,14 @@ class PlanCache:
              real_inputs: list[torch.Tensor] | None = None, held: Plan | None = None) -> Plan:
         if options.plan_file is not None:  # the user's own plan file: nothing to look up
             return plan(joint, budget, options, real_inputs, held)
-        key = cache_key(joint, budget, options)
-        cached = self._read(key)
-        if cached is not None:
-            path, times = cached
-            # Estimated times are the graph's own (computed again in no time); measured ones
-            # are the cached plan's, so that nothing is replayed.
-            profile = options.profile if options.profile == "estimate" else times
+        profiled = profile_key(joint, options)
+        key = plan_key(profiled, budget, options)
+        times = self._read_times(profiled)
+        # Estimated times are the graph's own (computed again in no time); measured ones are
+        # read back, so that nothing is replayed.
+        profile = options.profile if times is None or options.profile == "estimate" else times
+        path = self._plan_path(key)
+        if times is not None and path.exists():
             try:
                 found = plan(joint, budget, dataclasses.replace(options, profile=profile, plan_file=path), real_inputs)
                 # What was weighed when it was planned, not what loading its file tried.
@@ -91,45 +96,61 @@ class PlanCache:
                 log.info("the cached plan %s is not used, planning anew: %s", path, e)
             else:
                 log.info("plan of %s read from the cache: %s", options.name or "the model", path)
+                _touch(path)
                 return found
-        found = plan(joint, budget, options, real_inputs, held)
-        self._write(key, found)
+        found = plan(joint, budget, dataclasses.replace(options, profile=profile), real_inputs, held)
+        self._write(key, profiled, found)
         return found
 
-    def _paths(self, key: str) -> tuple[Path, Path]:
-        return self.directory / f"{key}.plan.json", self.directory / f"{key}.times.json"
+    def _plan_path(self, key: str) -> Path:
+        return self.directory / "plans" / f"{key}.json"
 
-    def _read(self, key: str) -> tuple[Path, dict[str, float]] | None:
-        path, times_path = self._paths(key)
+    def _times_path(self, key: str) -> Path:
+        return self.directory / "times" / f"{key}.json"
+
+    def _read_times(self, key: str) -> dict[str, float] | None:
+        path = self._times_path(key)
         try:
-            times = json.loads(times_path.read_text())
-            os.utime(path)  # recently used: removed last
-        except (OSError, ValueError):  # absent, half written by another process, or damaged
+            times = json.loads(path.read_text())
+        except (OSError, ValueError):  # absent, or damaged
             return None
-        if not isinstance(times, dict):
+        if not isinstance(times, dict) or not all(isinstance(t, float | int) for t in times.values()):
             return None
-        return path, times
+        _touch(path)
+        return times
 
-    def _write(self, key: str, found: Plan) -> None:
-        """Write `found`'s plan file, then its times (an entry is read only once both are there);
-        a directory that cannot be written is logged and skipped: the plan stands."""
+    def _write(self, key: str, profiled: str, found: Plan) -> None:
+        """Write `found`'s node times and plan file; a directory that cannot be written is
+        logged and skipped: the plan stands."""
         reference = (found.reference.predicted_peak, found.reference.predicted_time)
         document = plan_document(found.graph, found.schedule, reference, found.considered)
-        path, times_path = self._paths(key)
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            # Solver diagnostics may hold numpy numbers or enums: written as text rather than refused.
-            _write_atomically(path, json.dumps(document, default=str))
-            _write_atomically(times_path, json.dumps(found.times))
-            self._evict()
+            for path, content in ((self._times_path(profiled), found.times), (self._plan_path(key), document)):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                # Solver diagnostics may hold numpy numbers or enums: written as text rather than refused.
+                _write_atomically(path, json.dumps(content, default=str))
+                _evict(path.parent, self.entries)
         except OSError as e:
             log.warning("plan not cached in %s: %s", self.directory, e)
 
-    def _evict(self) -> None:
-        plans = sorted(self.directory.glob("*.plan.json"), key=lambda p: p.stat().st_mtime, reverse=True)
-        for old in plans[self.entries:]:
-            for path in self._paths(old.name.removesuffix(".plan.json")):
-                path.unlink(missing_ok=True)
+
+def _touch(path: Path) -> None:
+    """Mark `path` used now: the least recently used entries are removed first."""
+    try:
+        os.utime(path)
+    except OSError:  # removed meanwhile by another process: it was read all the same
+        pass
+
+
+def _evict(directory: Path, entries: int) -> None:
+    """Remove all but the `entries` most recently used files of `directory`."""
+    def used(path: Path) -> float:
+        try:
+            return path.stat().st_mtime
+        except OSError:  # removed meanwhile by another process
+            return math.inf
+    for old in sorted(directory.glob("*.json"), key=used, reverse=True)[entries:]:
+        old.unlink(missing_ok=True)
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -145,19 +166,26 @@ def _write_atomically(path: Path, text: str) -> None:
         raise
 
 
-def cache_key(joint: JointGraph, budget: int | float | str, options: PlanOptions) -> str:
-    """A hash of everything a plan of `joint` within `budget` depends on (the module's docstring)."""
+def profile_key(joint: JointGraph, options: PlanOptions) -> str:
+    """A hash of everything the node times of `joint` depend on: the graph node by node, how it
+    is profiled, the device, the versions and our own source (the module's docstring)."""
     digest = hashlib.sha256()
-    device = joint_device(joint.module)
-    for part in (rockplan_version(), _source_hash(), torch.__version__, _device_description(device), repr(budget),
-                 options.solver, _described(dict(options.solver_options)), _profile_described(options.profile),
-                 options.replay_rng, options.lean_variant, joint.num_fwd_outputs):
+    for part in (rockplan_version(), _source_hash(), torch.__version__, _device_description(joint_device(joint.module)),
+                 _profile_described(options.profile), joint.num_fwd_outputs):
         digest.update(repr(part).encode())
         digest.update(b"\0")
     for node in joint.module.graph.nodes:
         digest.update(_node_described(node).encode())
         digest.update(b"\n")
     return digest.hexdigest()[:40]
+
+
+def plan_key(profiled: str, budget: int | float | str, options: PlanOptions) -> str:
+    """A hash of everything a plan depends on beyond its times (`profile_key`): the budget and
+    how it is planned."""
+    parts = (profiled, repr(budget), options.solver, _described(dict(options.solver_options)), options.replay_rng,
+             options.lean_variant)
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:40]
 
 
 def _node_described(node: fx.Node) -> str:

@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 import rkgraph
 from rkgraph import capture_joint
 from rockplan import Rockmate, zoo
-from rockplan.plan_cache import ENVIRONMENT, PlanCache, cache_directory, cache_key
+from rockplan.plan_cache import ENVIRONMENT, PlanCache, cache_directory, plan_key, profile_key
 from rockplan.plan_file import read_plan
 from rockplan.planner import PlanOptions
 
@@ -36,7 +36,7 @@ def _step(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
 
 
 def _entries(directory: Path) -> list[Path]:
-    return sorted(directory.glob("*.plan.json"))
+    return sorted((directory / "plans").glob("*.json"))
 
 
 def test_a_plan_is_read_back_instead_of_profiled_and_solved(tmp_path: Path, rockmate_calls: list,
@@ -64,9 +64,10 @@ def test_a_plan_is_read_back_instead_of_profiled_and_solved(tmp_path: Path, rock
     torch.testing.assert_close(_step(second, args, kwargs), _step(first, args, kwargs), rtol=0, atol=0)
     for (name, p), q in zip(model.named_parameters(), copied.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=f"gradient of {name}")
-    # Another budget is another plan: planned, and kept beside the first.
+    # Another budget is another plan: solved on the times measured before (no replay), and kept
+    # beside the first.
     Rockmate(copy.deepcopy(copied), (args, kwargs), 0.6, plan_cache=tmp_path)
-    assert rockmate_calls and len(_entries(tmp_path)) == 2
+    assert rockmate_calls and not replays and len(_entries(tmp_path)) == 2
 
 
 def test_a_cached_plan_that_no_longer_matches_is_planned_anew(tmp_path: Path, rockmate_calls: list) -> None:
@@ -93,18 +94,20 @@ def test_a_cached_plan_that_no_longer_matches_is_planned_anew(tmp_path: Path, ro
     assert not rockmate_calls
 
 
-def test_the_key_holds_the_graph_budget_and_options() -> None:
-    """The same step traced twice has one key; another budget, solver option, profile or input
-    shape has another."""
+def test_the_keys_hold_the_graph_budget_and_options() -> None:
+    """The same step traced twice has the same keys; another profile or input shape has
+    another profile key, and another budget or solver option another plan key only."""
     model, (idx,), _, _ = zoo.make("gpt", "tiny")
     joint = capture_joint(model, (idx,))
     options = PlanOptions(profile="estimate")
-    key = cache_key(joint, 0.5, options)
-    assert cache_key(capture_joint(model, (idx,)), 0.5, options) == key
-    others = [cache_key(joint, 0.6, options), cache_key(joint, 0.5, PlanOptions(profile="measure")),
-              cache_key(joint, 0.5, PlanOptions(profile="estimate", solver_options={"time_limit": 5})),
-              cache_key(capture_joint(model, (idx[:, :-1].clone(),)), 0.5, options)]
-    assert len({key, *others}) == 5
+    profiled = profile_key(joint, options)
+    assert profile_key(capture_joint(model, (idx,)), options) == profiled
+    tuned = PlanOptions(profile="estimate", solver_options={"time_limit": 5})
+    assert profile_key(joint, tuned) == profiled
+    assert len({profiled, profile_key(joint, PlanOptions(profile="measure")),
+                profile_key(capture_joint(model, (idx[:, :-1].clone(),)), options)}) == 3
+    assert len({plan_key(profiled, 0.5, options), plan_key(profiled, 0.6, options),
+                plan_key(profiled, 0.5, tuned)}) == 3
 
 
 def test_the_least_recently_used_plans_are_removed(tmp_path: Path) -> None:
@@ -114,9 +117,9 @@ def test_the_least_recently_used_plans_are_removed(tmp_path: Path) -> None:
     options = PlanOptions(profile="estimate")
     for budget in (0.5, 0.6, 0.7):
         cache.plan(joint, budget, options)
-    kept = {path.name.removesuffix(".plan.json") for path in _entries(tmp_path)}
-    assert kept == {cache_key(joint, budget, options) for budget in (0.6, 0.7)}
-    assert len(list(tmp_path.glob("*.times.json"))) == 2
+    kept = {path.stem for path in _entries(tmp_path)}
+    assert kept == {plan_key(profile_key(joint, options), budget, options) for budget in (0.6, 0.7)}
+    assert len(list((tmp_path / "times").glob("*.json"))) == 1  # one step, one profile
 
 
 def test_where_plans_are_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
