@@ -159,7 +159,7 @@ class Rockmate(nn.Module):
     with the same model, shapes, budget and options traces its step but reads its plan instead
     of profiling and solving it again. A directory; None (the default) for what the
     ROCKPLAN_PLAN_CACHE environment variable says (a directory, or "off"), else
-    ~/.cache/rockplan/plans; False for none. Not for a sharded model (its ranks agree on one
+    ~/.cache/rockplan; False for none. Not for a sharded model (its ranks agree on one
     plan) nor one planned graph by graph through torch.compile (graph breaks).
     The model's hooks run in each step as in eager, on values without autograd history, never
     while planning; a hook that returns a value is traced into the step (`rkgraph.hooks`).

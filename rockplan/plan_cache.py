@@ -47,14 +47,14 @@ log = logging.getLogger(__name__)
 
 ENVIRONMENT = "ROCKPLAN_PLAN_CACHE"  # a directory, or "off"
 OFF = frozenset({"", "0", "off", "false", "no"})
-ENTRIES = 64  # plans kept; the least recently used are removed beyond it
+ENTRIES = 64  # plans kept, and profiles; the least recently used are removed beyond it
 _SOURCES = ("rkgraph", "rockplan", "solvers")  # the packages whose code decides a plan
 
 
 def cache_directory(setting: str | Path | bool | None) -> Path | None:
     """The directory `Rockmate(plan_cache=setting)` keeps plans in, None when off: a path as
     given; False off; None (the default) as ROCKPLAN_PLAN_CACHE says (a directory, or "off"),
-    else `$XDG_CACHE_HOME/rockplan/plans` (`~/.cache/rockplan/plans`)."""
+    else `$XDG_CACHE_HOME/rockplan` (`~/.cache/rockplan`)."""
     if setting is False:
         return None
     if setting is None or setting is True:
@@ -62,7 +62,7 @@ def cache_directory(setting: str | Path | bool | None) -> Path | None:
         if value is not None:
             return None if value.strip().lower() in OFF else Path(value).expanduser()
         base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-        return Path(base) / "rockplan" / "plans"
+        return Path(base) / "rockplan"
     return Path(setting).expanduser()
 
 

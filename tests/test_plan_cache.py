@@ -125,7 +125,7 @@ def test_the_least_recently_used_plans_are_removed(tmp_path: Path) -> None:
 def test_where_plans_are_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENVIRONMENT, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert cache_directory(None) == tmp_path / "rockplan" / "plans"
+    assert cache_directory(None) == tmp_path / "rockplan"
     assert cache_directory(tmp_path / "mine") == tmp_path / "mine"
     assert cache_directory(False) is None
     monkeypatch.setenv(ENVIRONMENT, str(tmp_path / "env"))
