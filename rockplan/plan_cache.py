@@ -54,14 +54,20 @@ _SOURCES = ("rkgraph", "rockplan", "solvers")  # the packages whose code decides
 def cache_directory(setting: str | Path | bool | None) -> Path | None:
     """The directory `Rockmate(plan_cache=setting)` keeps plans in, None when off: a path as
     given; False off; None (the default) as ROCKPLAN_PLAN_CACHE says (a directory, or "off"),
-    else `$XDG_CACHE_HOME/rockplan` (`~/.cache/rockplan`)."""
+    else `$XDG_CACHE_HOME/rockplan` (`~/.cache/rockplan`), or none where there is no home
+    directory to expand `~` to (a container without one)."""
     if setting is False:
         return None
     if setting is None or setting is True:
         value = os.environ.get(ENVIRONMENT)
         if value is not None:
             return None if value.strip().lower() in OFF else Path(value).expanduser()
-        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        base = os.environ.get("XDG_CACHE_HOME")
+        if not base:
+            home = os.path.expanduser("~")
+            if home.startswith("~"):  # unexpanded: a directory named "~" would be made where the script runs
+                return None
+            base = os.path.join(home, ".cache")
         return Path(base) / "rockplan"
     return Path(setting).expanduser()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -126,6 +127,12 @@ def test_where_plans_are_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.delenv(ENVIRONMENT, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert cache_directory(None) == tmp_path / "rockplan"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_directory(None) == tmp_path / "home" / ".cache" / "rockplan"
+    with monkeypatch.context() as homeless:
+        homeless.setattr(os.path, "expanduser", lambda path: path)  # "~" left as it is: no home directory
+        assert cache_directory(None) is None
     assert cache_directory(tmp_path / "mine") == tmp_path / "mine"
     assert cache_directory(False) is None
     monkeypatch.setenv(ENVIRONMENT, str(tmp_path / "env"))
