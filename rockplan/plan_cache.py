@@ -39,7 +39,7 @@ from torch import fx
 
 from rkgraph import RescaledTimes, joint_device
 from rkgraph.capture import JointGraph
-from rockplan.plan_file import PlanMismatch, plan_document, read_plan, rockplan_version
+from rockplan.plan_file import PlanMismatch, plan_json, read_plan, rockplan_version
 from rockplan.planner import Plan, PlanOptions, plan
 from solvers import InfeasibleBudget
 
@@ -129,12 +129,11 @@ class PlanCache:
         """Write `found`'s node times and plan file; a directory that cannot be written is
         logged and skipped: the plan stands."""
         reference = (found.reference.predicted_peak, found.reference.predicted_time)
-        document = plan_document(found.graph, found.schedule, reference, found.considered)
+        text = plan_json(found.graph, found.schedule, reference, found.considered)
         try:
-            for path, content in ((self._times_path(profiled), found.times), (self._plan_path(key), document)):
+            for path, content in ((self._times_path(profiled), json.dumps(found.times)), (self._plan_path(key), text)):
                 path.parent.mkdir(parents=True, exist_ok=True)
-                # Solver diagnostics may hold numpy numbers or enums: written as text rather than refused.
-                _write_atomically(path, json.dumps(content, default=str))
+                _write_atomically(path, content)
                 _evict(path.parent, self.entries)
         except OSError as e:
             log.warning("plan not cached in %s: %s", self.directory, e)

@@ -198,9 +198,15 @@ def export_plan(source: Planned | tuple[RematGraph, Schedule], path: str | Path)
         reference, considered = (source.store_all_peak, source.store_all_time), source.considered
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # Solver diagnostics may hold numpy numbers or enums: written as text rather than refused.
-    path.write_text(json.dumps(plan_document(graph, schedule, reference, considered), indent=1, default=str))
+    path.write_text(plan_json(graph, schedule, reference, considered))
     return path
+
+
+def plan_json(graph: RematGraph, schedule: Schedule, reference: tuple[int, float] | None = None,
+              considered: dict[str, float | str] | None = None) -> str:
+    """The text of a plan file: `plan_document` (see there) as JSON."""
+    # Solver diagnostics may hold numpy numbers or enums: written as text rather than refused.
+    return json.dumps(plan_document(graph, schedule, reference, considered), indent=1, default=str)
 
 
 # --- reading ----------------------------------------------------------------------------------
