@@ -27,38 +27,48 @@ in this step, but not those after it (a greedy split):
 The last term is needed because a later graph may use any parameter (tied weights, a module
 called on both sides of a break) and its gradient then waits through graph k's backward; the
 graph's own planner also counts the gradients of its own parameters, so those are counted twice
-for it, the price of not knowing the later graphs. A graph's plan holds at most HOLD_SHARE of
-its budget when a plan at a smaller budget can, to leave the unknown later graphs room. What
-graphs hold is tracked while the step runs (a graph's share is added when its forward runs,
-removed when its backward has run), so a graph compiled late (a branch first taken in a later
-step) is planned against the graphs actually before it. Parameters, buffers and inputs alive
-before the step are not counted, as in `Rockmate`'s budget.
+for it, the price of not knowing the later graphs. A graph's first plan holds at most
+HOLD_SHARE of its budget when a schedule within it can, to leave the unknown later graphs room.
+That plan serves one step, so it is made without a search where it can be: the fastest of the
+schedules built in milliseconds (storing everything, each block checkpointed, square-root
+segments, the forward once and every activation remade in the backward) that fits and holds
+at most that share; the planner's search runs there only where none does. What graphs hold is
+tracked while the step runs (a graph's share is added when its forward runs, removed when its
+backward has run), so a graph compiled late (a branch first taken in a later step) is planned
+against the graphs actually before it. Parameters, buffers and inputs alive before the step are
+not counted, as in `Rockmate`'s budget.
 
 Once a step is complete (a backward ran and no graph's backward is pending), the sequence of
-graphs it ran is known. For each sequence not seen before, the next step starts with a joint
-split (`rockplan.graph_split`): a few plans per graph (the ones it has had, storing
-everything, holding least, and the solver's at budgets from its smallest feasible one up, on
-the costs of its first plan), and the fastest choice of one per graph whose step peak, by
-`graph_split.step_peaks`, is within the budget at every position of every sequence seen; only
-the gradients of parameters that later runs use are reserved there. A graph not seen yet may
-still follow any graph but a sequence's last (a branch first taken in a later step, planned
-greedily against what the graphs before it hold), so there the joint split keeps the greedy
-rule: such a graph holds at most HOLD_SHARE of the room the graphs before it left (or what
-its current plan holds, if more). The plans a step's graphs ran are among the choices, so
-the joint split is never predicted slower. Plans change only as a
-step begins, all at once (a step never mixes the plans of two splits); a graph given another
-plan is compiled again by AOTAutograd on fake copies of its arguments when it next runs, which
-allocates nothing.
+graphs it ran is known. For each sequence not seen before, the step ends with a joint split
+(`rockplan.graph_split`): a few plans per graph, and the fastest choice of one per graph whose
+step peak, by `graph_split.step_peaks`, is within the budget at every position of every
+sequence seen; only the gradients of parameters that later runs use are reserved there. A
+graph's plans are the ones it has had, storing everything, holding least, the planner's at the
+room the others' current plans leave it (for a graph that is the whole step, the whole budget:
+the plan `Rockmate` makes), and, for a graph that shares a step with others, the planner's at
+budgets from its smallest feasible one up, all on the costs of its first plan. A graph not
+seen yet may still follow any graph but a sequence's last (a branch first taken in a later
+step, planned greedily against what the graphs before it hold), so there the joint split keeps
+the greedy rule: such a graph holds at most HOLD_SHARE of the room the graphs before it left (or
+what its current plan holds, if more). The plans a step's graphs ran are among the choices, so
+the joint split is never predicted slower. Plans change only between steps, all at once (a
+step never mixes the plans of two splits); a graph given another plan is compiled again by
+AOTAutograd on fake copies of its arguments when it next runs, which allocates nothing. With
+a plan cache (`backend(plan_cache=...)`, `Rockmate`'s), every plan the planner makes is kept
+and read back by a script run again (`rockplan.plan_cache`).
 
 A ratio budget (a float in (0, 1]) is that share of the step's store-everything peak: autograd's
 graph of every graph storing everything, by `step_peaks`. That is known only once every graph
-has run, so the first step runs each graph at its smallest budget (its plan there, or the one
-holding least, whichever peak and held bytes sum least); the ratio is resolved as the second
-step starts, and the joint split made at it. When the ratio's bytes are below the first step's
-predicted peak, that step ran above them (no plans rockplan found peak lower) and the second
-raises InfeasibleBudget, naming the ratio that fits. Learning the graphs without running them
-is not possible: Dynamo decides a branch on a tensor's value, or reads `.item()`, from the
-real value, so the graphs are known only as a real step runs them, each at its smallest budget.
+has run, so the first step runs each graph on the fastest schedule built without a search
+whose peak, with what the graphs before it hold, is within the ratio of the graph's own
+store-everything peak (the step's is at least that, so it fits whatever the ratio resolves to);
+where none is, at its smallest budget (the planner's plan there, or the one holding least,
+whichever peak and held bytes sum least). The ratio is resolved as the first step ends, and the
+joint split made at it. Where the ratio's bytes are below the least step peak of the graphs'
+plans, even with the planner's plans at each graph's smallest budget, that step raises
+InfeasibleBudget, naming the ratio that fits. Learning the graphs without running them is not
+possible: Dynamo decides a branch on a tensor's value, or reads `.item()`, from the real value,
+so the graphs are known only as a real step runs them.
 
 Limits. Code Dynamo runs itself between graphs is not planned and allocates outside the
 budget (the `.item()` or the branch allocate nothing; a library call on tensors can): a graph
@@ -70,11 +80,13 @@ made.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -83,13 +95,22 @@ from torch._dynamo.backends.common import aot_autograd
 from torch.fx.experimental.symbolic_shapes import free_symbols
 
 from rkgraph.capture import CaptureError, JointGraph, _native_kernels, is_tangent
+from rkgraph.graph import RematGraph
 from rkgraph.rewrites import apply_rewrites
 from rkgraph.units import format_bytes
 from rockplan.budget import budget_bytes
 from rockplan.codegen import compile_generated, generate
 from rockplan.graph_split import GraphOption, GraphSequence, choose, step_peaks
+from rockplan.plan_cache import PlanCache, cache_directory
 from rockplan.planner import DEFAULT_SOLVER, Plan, PlanOptions, Profile, costed_graph, plan, reuse
-from solvers import RUNTIME_SOLVERS, InfeasibleBudget, min_feasible_budget, simulate, solve_store_all
+from solvers import (
+    InfeasibleBudget,
+    min_feasible_budget,
+    simulate,
+    solve_checkpoint_blocks,
+    solve_sqrt_segments,
+    solve_store_all,
+)
 from solvers.bounds import min_memory_schedule
 
 log = logging.getLogger(__name__)
@@ -124,7 +145,7 @@ class GraphPlan:
 
 def backend(budget: int | float | str, *, parameters: Iterable[nn.Parameter] | None = None,
             solver: str = DEFAULT_SOLVER, profile: Profile = "estimate", solver_options: dict | None = None,
-            name: str = "") -> Backend:
+            name: str = "", plan_cache: str | Path | bool | None = None) -> Backend:
     """A torch.compile backend planning every graph Dynamo captures within one step budget.
 
     `budget`: bytes, or a size string ("1.5GiB"), for the whole training step (not per graph);
@@ -133,10 +154,14 @@ def backend(budget: int | float | str, *, parameters: Iterable[nn.Parameter] | N
     parameters, whose gradients it reserves; by default those of the modules Dynamo compiles
     (`torch.compile(model)`: the model's). `solver`, `solver_options`: as `Rockmate`'s.
     `profile` defaults to "estimate": graphs are planned inside the first step, and measuring
-    replays a graph storing everything, above the budget.
+    replays a graph storing everything, above the budget. `plan_cache`: where plans are kept
+    between runs, as `Rockmate`'s (`rockplan.plan_cache`): a script run again plans its graphs
+    by reading them back.
     """
+    directory = cache_directory(plan_cache)
     return Backend(budget, parameters=parameters, options=PlanOptions(
-        solver=solver, solver_options=dict(solver_options or {}), profile=profile, name=name))
+        solver=solver, solver_options=dict(solver_options or {}), profile=profile, name=name),
+        plan_cache=None if directory is None else PlanCache(directory))
 
 
 class Backend:
@@ -145,11 +170,13 @@ class Backend:
     complete steps ran."""
 
     def __init__(self, budget: int | float | str, *, parameters: Iterable[nn.Parameter] | None,
-                 options: PlanOptions) -> None:
+                 options: PlanOptions, plan_cache: PlanCache | None = None) -> None:
         self.budget: int | None = budget_bytes(budget)  # None until a ratio is resolved, after the first step
         self.ratio: float | None = None if self.budget is not None else float(budget)
         self.store_all_peak: int | None = None  # the step's, by `step_peaks`, once a joint split ran
         self.options = options
+        # `rockplan.planner.plan`, or the same reading plans kept between runs
+        self._plan: Callable[..., Plan] = plan if plan_cache is None else plan_cache.plan
         self.graphs: list[GraphPlan] = []
         self.superseded: list[list[GraphPlan]] = []  # each joint split's predecessors, oldest first
         self.sequences: dict[GraphSequence, list[int]] = {}  # each with its reserves (`step_peaks`)
@@ -158,9 +185,9 @@ class Backend:
         self._parameters: dict[int, frozenset[int]] = {}  # graph index -> ids of the parameters it takes
         self._pending: list[tuple[int, int]] = []  # (graph, bytes it holds) per run whose backward is pending
         self._running: list[int] = []  # the graphs the step under way has run, in order
-        self._split_due = False  # a complete step ran a sequence of graphs not seen before
         self._options: dict[int, list[tuple[GraphOption, Plan]]] = {}  # the joint split's candidates per graph
         self._compiled: dict[int, tuple[Plan, Callable]] = {}  # graph -> its plan and AOTAutograd's callable of it
+        self._joints: dict[int, JointGraph] = {}  # graph -> autograd's joint graph of it, rewritten
         self._store_all: dict[int, GraphOption] = {}  # graph -> autograd's graph storing everything (ratios)
 
     @property
@@ -181,10 +208,10 @@ class Backend:
 
         def partition(joint_module: fx.GraphModule, _inputs: Any, *, num_fwd_outputs: int, **_: Any):
             state["planning"] = True
-            joint = _rewritten_joint(joint_module, num_fwd_outputs, kinds, names, index)
+            joint = self._joints[index] = _rewritten_joint(joint_module, num_fwd_outputs, kinds, names, index)
             pending = sum(held for _, held in self._pending)
             if self.budget is None:
-                planned, held = self._plan_smallest(joint, real, index)
+                planned, held = self._plan_smallest(joint, real, index, pending)
                 state["plan"] = GraphPlan(index, planned, planned.budget, pending, 0, held,
                                           _output_gradients(planned), ends_at, "smallest")
             else:
@@ -209,8 +236,6 @@ class Backend:
 
         @functools.wraps(compiled)
         def forward(*args: Any) -> Any:
-            if not self._pending:  # nothing from an earlier run awaits its backward: a step begins
-                self._begin_step()
             mine = self.graphs[index]
             if self._compiled[index][0] is not mine.plan:  # a joint split gave it another plan
                 self._compiled[index] = (mine.plan, self._compile_again(gm, list(args), kinds, names, index, mine.plan))
@@ -262,14 +287,11 @@ class Backend:
         return self._compile(gm, args, partition, index)
 
     # --- one step --------------------------------------------------------------------------
-    def _begin_step(self) -> None:
-        if self._split_due:
-            self._split_jointly()
-            self._split_due = False
-
     def _backward_ran(self, index: int) -> None:
         """Release what the latest run of graph `index` held; when nothing is pending, the step
-        is complete, and a sequence of graphs not seen before makes a joint split due."""
+        is complete, and a sequence of graphs not seen before is split jointly now, between
+        steps (its plans run from the next step on): planning then runs inside the step that
+        revealed the sequence (the first, mostly), not inside one a user may be measuring."""
         for i in range(len(self._pending) - 1, -1, -1):  # backwards run in reverse order
             if self._pending[i][0] == index:
                 del self._pending[i]
@@ -278,7 +300,7 @@ class Backend:
             sequence, self._running = tuple(self._running), []
             if sequence not in self.sequences:
                 self.sequences[sequence] = self._reserves(sequence)
-                self._split_due = True
+                self._split_jointly()
 
     def _reserves(self, sequence: GraphSequence) -> list[int]:
         """Per position, the gradients of the parameters the runs after it take, each once."""
@@ -306,75 +328,89 @@ class Backend:
                 f"gradients take {format_bytes(reserved)}), and that is too little: {e}") from e
 
     def _plan_leaving_room(self, joint: JointGraph, budget: int, real: list[Any]) -> tuple[Plan, int]:
-        """The plan within `budget`, and what it holds into the backward: the fastest one,
-        unless it holds more than HOLD_SHARE of the budget; then the one that holds the least of
-        those planned at smaller budgets, halfway down to the smallest feasible one and at it,
-        and the schedule holding least (`_holding_least`) where it fits, so that graphs after
-        it, unknown yet, are left room. Without this, a graph storing everything when it can
-        leaves the next one too little (a greedy split)."""
+        """The first step's plan of a graph within `budget`, and what it holds into its backward.
+        Made without a search where it can be: once the step is complete, the joint split
+        (`_split_jointly`) plans each graph knowing the others, so a search here (seconds, a
+        minute at tight budgets) would be spent on one step. Of the schedules made in
+        milliseconds (`_quick_plans`), the fastest within the budget that holds at most
+        HOLD_SHARE of it, so that the graphs after it (unknown yet) are left room; where none
+        does, the planner's plan, or where that holds more than the share, the quick schedule
+        within the budget holding least, if it holds less. Without the share, a graph storing
+        everything when it can would leave the next one too little (a greedy split)."""
         inputs = real if self.options.profile == "measure" else None
-        best = plan(joint, budget, self.options, inputs)
-        best_held = simulate(best.graph, best.schedule).held_into_backward
-        if best_held > HOLD_SHARE * budget:
-            smallest = min_feasible_budget(best.graph)
-            for smaller in ((budget + smallest) // 2, smallest):
-                try:
-                    other = plan(joint, smaller, self.options, inputs)
-                except InfeasibleBudget:
-                    continue
-                held = simulate(other.graph, other.schedule).held_into_backward
-                if held < best_held:
-                    best, best_held = other, held
-                if best_held <= HOLD_SHARE * budget:
-                    break
-            if best_held > HOLD_SHARE * budget:
-                least = _holding_least(best)
-                result = simulate(least.graph, least.schedule)
-                if result.peak <= budget and result.held_into_backward < best_held:
-                    best, best_held = least, result.held_into_backward
+        quick = [(simulate(p.graph, p.schedule), p) for p in self._quick_plans(joint, inputs)]
+        fitting = [(result, p) for result, p in quick if result.peak <= budget]
+        within = [(result.time, i) for i, (result, _) in enumerate(fitting)
+                  if result.held_into_backward <= HOLD_SHARE * budget]
+        if within:
+            result, best = fitting[min(within)[1]]
+            best_held = result.held_into_backward
+        else:
+            best = self._plan(joint, budget, self._planned_on(quick[0][1].times), inputs)
+            best_held = simulate(best.graph, best.schedule).held_into_backward
+            least = [(result.held_into_backward, i) for i, (result, _) in enumerate(fitting)
+                     if result.held_into_backward < best_held]
+            if best_held > HOLD_SHARE * budget and least:
+                result, best = fitting[min(least)[1]]
+                best_held = result.held_into_backward
         best.budget = budget  # what the graph was given; its schedule may fit a smaller one
         return best, best_held
 
-    def _plan_smallest(self, joint: JointGraph, real: list[Any], index: int) -> tuple[Plan, int]:
-        """Under a ratio budget, before the step's peak is known: of the plan at the smallest
-        budget a schedule is known at (`min_feasible_budget`; or the first above it, on the way
-        to storing everything, that the solver finds a plan within) and the schedule holding
-        least into the backward (`_holding_least`), the one whose peak and held bytes sum
-        least. The graphs after this one are not known yet: its peak adds to theirs only
-        through what it holds, its own run only through its peak. Notes autograd's graph
-        storing everything, what the ratio is of (`_resolve_ratio`)."""
-        inputs = real if self.options.profile == "measure" else None
+    def _quick_plans(self, joint: JointGraph, inputs: list[Any] | None) -> list[Plan]:
+        """Plans of autograd's graph of `joint` made without a search: storing everything, and
+        those holding little (`_holding_little`)."""
         graph = costed_graph(joint, inputs, self.options.profile, self.options)
+        store_all = solve_store_all(graph)
+        stored = Plan(joint, graph, store_all, store_all.predicted_peak, store_all, store_all,
+                      {n.name: n.time for n in graph.nodes}, {})
+        return [stored, *_holding_little(stored)]
+
+    def _plan_smallest(self, joint: JointGraph, real: list[Any], index: int, pending: int) -> tuple[Plan, int]:
+        """Under a ratio budget, before the step's peak is known: the fastest of the schedules
+        made without a search (`_quick_plans`; not the one holding least, whose backward remakes
+        the forward again and again) whose peak, with what the graphs before it hold
+        (`pending`), is within the ratio of this graph's own store-everything peak. The step's
+        store-everything peak is at least that, so this fits any budget the ratio can resolve
+        to. Where none does, the plan at the smallest budget a schedule is known at or the one
+        holding least, whichever sum of peak and held bytes is less (the graphs after this one
+        are not known yet: its peak adds to theirs only through what it holds); this searches
+        (`_smallest_solved`). Notes autograd's graph storing everything, what the ratio is of
+        (`_resolve_ratio`)."""
+        assert self.ratio is not None
+        inputs = real if self.options.profile == "measure" else None
+        quick = [(simulate(p.graph, p.schedule), p) for p in self._quick_plans(joint, inputs)]
+        store_all, stored = quick[0]
+        self._store_all[index] = GraphOption(store_all.peak, store_all.held_into_backward + _output_gradients(stored),
+                                             store_all.time)
+        fitting = [(result.time, i) for i, (result, _) in enumerate(quick[:-1])
+                   if result.peak + pending <= self.ratio * store_all.peak]
+        if fitting:
+            result, best = quick[min(fitting)[1]]
+            return best, result.held_into_backward
+        solved = self._smallest_solved(joint, stored.graph, store_all.peak, self._planned_on(stored.times))
+        found = [(simulate(p.graph, p.schedule), p) for p in ((solved,) if solved is not None else ())]
+        result, best = min([*found, quick[-1]], key=lambda f: f[0].peak + f[0].held_into_backward)
+        return best, result.held_into_backward
+
+    def _smallest_solved(self, joint: JointGraph, graph: RematGraph, largest: int, options: PlanOptions) -> Plan | None:
+        """The planner's plan of `joint` at the smallest budget a schedule of its graph `graph`
+        is known at, or the first above it on the way to its store-everything peak `largest`
+        that it finds a plan within; None where it finds none."""
         smallest = min_feasible_budget(graph)
-        store_all = simulate(graph, solve_store_all(graph))
-        self._store_all[index] = GraphOption(store_all.peak, store_all.held_into_backward + sum(
-            graph.data[t].size for t in graph.tangents), store_all.time)
-        largest = store_all.peak
-        failure: InfeasibleBudget | None = None
         for share in SMALLEST_STEPS:
             try:
-                planned = plan(joint, max(smallest, round(smallest + share * (largest - smallest))), self.options,
-                               inputs)
-                break
-            except InfeasibleBudget as e:
-                failure = failure or e
-        else:
-            assert failure is not None
-            raise failure
-        best, best_result = planned, simulate(planned.graph, planned.schedule)
-        other = _holding_least(planned)
-        result = simulate(other.graph, other.schedule)
-        if result.peak + result.held_into_backward < best_result.peak + best_result.held_into_backward:
-            best, best_result = other, result
-        return best, best_result.held_into_backward
+                return self._plan(joint, max(smallest, round(smallest + share * (largest - smallest))), options)
+            except InfeasibleBudget:
+                continue
+        return None
 
     def _candidates(self, index: int) -> list[tuple[GraphOption, Plan]]:
-        """A few plans of graph `index`, each with its `GraphOption`: the plans it has had, the
-        one storing everything, the one holding least (`_holding_least`), and the solver's at
-        budgets from its smallest feasible one up (`CANDIDATE_SHARES` of the way to storing
-        everything), none above the step's budget. They are schedules of the graph its first
-        plan chose (autograd's or its lean variant), on its costs: scratch measured then stays
-        counted."""
+        """A few plans of graph `index`, each with its `GraphOption`: the plans it has had, its
+        graph storing everything and holding least (`_holding_least`), and, where the graph
+        shares a step with others, the planner's at budgets from its smallest feasible one up
+        (`CANDIDATE_SHARES` of the way to storing everything), none above the step's budget,
+        on the costs of its first plan. A graph that is every step's only graph needs none of
+        those: the planner's plan at the whole budget (`_room_plan`) is its fastest."""
         first = self.graphs[index].plan
         graph = first.graph
         plans = [g.plan for g in (self.graphs[index], *(s[index] for s in self.superseded if index < len(s)))]
@@ -382,39 +418,68 @@ class Backend:
                              budget=simulate(graph, first.graph_store_all).peak))
         plans.append(_holding_least(first))
         smallest, largest = min_feasible_budget(graph), plans[-2].budget
-        for share in CANDIDATE_SHARES:
+        alone = all(sequence == (index,) for sequence in self.sequences if index in sequence)
+        for share in () if alone else CANDIDATE_SHARES:
             budget = round(smallest + share * (largest - smallest))
             if self.budget is not None and budget > self.budget:
                 continue
-            try:
-                schedule = RUNTIME_SOLVERS[self.options.solver](graph, budget, **self.options.solver_options)
-            except InfeasibleBudget:
-                continue
-            if simulate(graph, schedule).peak <= budget:  # the referee: never run an unchecked plan
-                plans.append(replace(first, schedule=schedule, budget=budget, considered={}))
-        found: dict[tuple, tuple[GraphOption, Plan]] = {}
-        for candidate in plans:
-            result = simulate(candidate.graph, candidate.schedule)
-            option = GraphOption(result.peak, result.held_into_backward + _output_gradients(candidate), result.time)
-            found.setdefault((option.peak, option.held, option.time), (option, candidate))
-        return list(found.values())
+            with contextlib.suppress(InfeasibleBudget):
+                plans.append(self._plan(self._joints[index], budget, self._planned_on(self.graphs[index].plan.times)))
+        return _distinct_options(plans)
+
+    def _planned_on(self, times: dict[str, float]) -> PlanOptions:
+        """The planning options for a graph planned again: on `times`, the node times its first
+        plan measured (where they were measured), so that nothing is replayed and its plans'
+        times compare."""
+        return self.options if self.options.profile == "estimate" else replace(self.options, profile=times)
+
+    def _room_plan(self, index: int, current: dict[int, GraphOption]) -> Plan | None:
+        """The planner's plan of graph `index` at the room the current plans leave it: the step's
+        budget less, at each position the graph runs at, what the runs before it hold and the
+        gradients reserved for the runs after it (the least of those rooms); None where nothing
+        fits there. For a graph that is the whole step, the whole budget: the plan `Rockmate`
+        would make. It is planned on the graph's first costs (its times, where measured)."""
+        assert self.budget is not None
+        room = self.budget
+        for sequence, reserves in self.sequences.items():
+            before = 0
+            for graph, reserve in zip(sequence, reserves, strict=True):
+                if graph == index:
+                    room = min(room, self.budget - before - reserve)
+                before += current[graph].held
+        try:
+            return self._plan(self._joints[index], room, self._planned_on(self.graphs[index].plan.times))
+        except InfeasibleBudget:
+            return None
 
     def _split_jointly(self) -> None:
         """Choose every graph's plan at once (`graph_split.choose`) among its candidates, for
         every sequence of graphs complete steps ran, and swap them in for the steps to come.
-        Under a ratio budget the budget is resolved first. The current plans are among the
-        candidates and fit (the first step ran them), so a split is always found."""
+        Under a ratio budget the budget is resolved first. Under a budget in bytes the current
+        plans are among the candidates and fit (the first step ran them), so a split is always
+        found; under a ratio they may peak above it, and where no split fits, InfeasibleBudget."""
         graphs = sorted({g for s in self.sequences for g in s})
-        for g in graphs:
-            self._options.setdefault(g, self._candidates(g))
+        new = [g for g in graphs if g not in self._options]
+        for g in new:
+            self._options[g] = self._candidates(g)
         if self.budget is None:
             self._resolve_ratio(graphs)
         assert self.budget is not None
         current = {g: next(option for option, planned in self._options[g] if planned is self.graphs[g].plan)
                    for g in graphs}
+        for g in new:
+            room = self._room_plan(g, current)
+            if room is not None:
+                self._options[g] = _distinct_options([planned for _, planned in self._options[g]] + [room])
         chosen = choose({g: [option for option, _ in self._options[g]] for g in graphs}, self.sequences, self.budget,
                         share=HOLD_SHARE, current=current)
         if chosen is None:
+            ran = max(max(step_peaks(s, current, r)) for s, r in self.sequences.items())
+            if ran > self.budget:  # a ratio resolved below the first step's peak, and no split within it
+                raise InfeasibleBudget(
+                    f"no split of the budget {format_bytes(self.budget)} across the step's graphs {graphs} was found "
+                    f"(the least step peak rockplan finds is {format_bytes(self._least_step_peak(graphs))}); "
+                    "give a larger budget")
             log.warning("no joint split of the budget %s across graphs %s found: the plans stay as they are",
                         format_bytes(self.budget), graphs)
             return
@@ -439,23 +504,35 @@ class Backend:
     def _resolve_ratio(self, graphs: list[int]) -> None:
         """The ratio budget in bytes: that share of the step's store-everything peak (autograd's
         graph of every graph storing everything, as `Rockmate`'s ratio is of, by `step_peaks`,
-        the largest over the sequences seen). InfeasibleBudget when it is below the peak of the
-        step that ran (each graph at its smallest budget): no split rockplan finds does better."""
+        the largest over the sequences seen). Where it is below the step's least peak among
+        the candidates (each graph's option whose peak and held bytes sum least), the planner's
+        plans at each graph's smallest budget join them (`_smallest_solved`); where it is below
+        still, InfeasibleBudget, naming the ratio that fits: no split rockplan finds does better."""
         store_all = {g: self._store_all[g] for g in graphs}
-        current = {g: next(option for option, planned in self._options[g] if planned is self.graphs[g].plan)
-                   for g in graphs}
         self.store_all_peak = max(max(step_peaks(s, store_all, r)) for s, r in self.sequences.items())
-        ran = max(max(step_peaks(s, current, r)) for s, r in self.sequences.items())
         budget = int(self.ratio * self.store_all_peak)
-        if budget < ran:
+        if budget < self._least_step_peak(graphs):
+            for g in graphs:
+                solved = self._smallest_solved(self._joints[g], self.graphs[g].plan.graph, self._store_all[g].peak,
+                                               self._planned_on(self.graphs[g].plan.times))
+                if solved is not None:
+                    self._options[g] = _distinct_options([p for _, p in self._options[g]] + [solved])
+        least = self._least_step_peak(graphs)
+        if budget < least:
             raise InfeasibleBudget(
                 f"budget ratio {self.ratio} of the step's store-everything peak {format_bytes(self.store_all_peak)} is "
-                f"{format_bytes(budget)}, below the smallest step peak rockplan finds, {format_bytes(ran)} (every "
-                f"graph at its smallest budget, as the first step ran): give a ratio of at least "
-                f"{math.ceil(100 * ran / self.store_all_peak) / 100:.2f}")
+                f"{format_bytes(budget)}, below the smallest step peak rockplan finds, {format_bytes(least)} (every "
+                f"graph at its smallest budget): give a ratio of at least "
+                f"{math.ceil(100 * least / self.store_all_peak) / 100:.2f}")
         self.budget = budget
         log.info("ratio budget %s: %s of the step's store-everything peak %s", self.ratio, format_bytes(budget),
                  format_bytes(self.store_all_peak))
+
+    def _least_step_peak(self, graphs: list[int]) -> int:
+        """The step's peak over the sequences seen, each graph running its candidate whose peak
+        and held bytes sum least."""
+        least = {g: min((option for option, _ in self._options[g]), key=lambda o: o.peak + o.held) for g in graphs}
+        return max(max(step_peaks(s, least, r)) for s, r in self.sequences.items())
 
     def predicted_time(self, graphs: list[GraphPlan] | None = None) -> float:
         """Predicted seconds of the steps seen, summed over the sequences' runs, with `graphs`'
@@ -487,6 +564,26 @@ def _holding_least(planned: Plan) -> Plan:
     a block: the graphs after it get the most room, at the cost of a second forward."""
     schedule = min_memory_schedule(planned.graph, forward_once=True)
     return replace(planned, schedule=schedule, budget=schedule.predicted_peak, considered={})
+
+
+def _holding_little(planned: Plan) -> list[Plan]:
+    """Schedules of `planned`'s graph that hold little into its backward, each made in
+    milliseconds: each block checkpointed (what `torch.utils.checkpoint` per layer keeps), square-root
+    segments, and the schedule holding least (`_holding_least`)."""
+    graph = planned.graph
+    plans = [replace(planned, schedule=schedule, budget=schedule.predicted_peak, considered={})
+             for schedule in (solve_checkpoint_blocks(graph), solve_sqrt_segments(graph))]
+    return [*plans, _holding_least(planned)]
+
+
+def _distinct_options(plans: list[Plan]) -> list[tuple[GraphOption, Plan]]:
+    """Each plan with its `GraphOption` (`solvers.simulate` of it), the first of those alike."""
+    found: dict[tuple, tuple[GraphOption, Plan]] = {}
+    for candidate in plans:
+        result = simulate(candidate.graph, candidate.schedule)
+        option = GraphOption(result.peak, result.held_into_backward + _output_gradients(candidate), result.time)
+        found.setdefault((option.peak, option.held, option.time), (option, candidate))
+    return list(found.values())
 
 
 def _output_gradients(planned: Plan) -> int:
@@ -622,14 +719,16 @@ class GraphBreaks:
     errors of planning come out as rockplan's own (InfeasibleBudget, CaptureError), not
     wrapped in Dynamo's BackendCompilerFailed."""
 
-    def __init__(self, model: nn.Module, budget: int | float | str, options: PlanOptions, why: CaptureError) -> None:
+    def __init__(self, model: nn.Module, budget: int | float | str, options: PlanOptions, why: CaptureError,
+                 plan_cache: PlanCache | None = None) -> None:
         if options.plan_file is not None or not options.replay_rng:
             raise ValueError(f"{why}\nDynamo can split it into graphs, planned one at a time, but not with "
                              "plan_file= or backend='inductor'") from why
         # Graphs are planned inside the first step: measuring would replay each one storing
         # everything, above the budget.
         profile = "estimate" if options.profile == "measure" else options.profile
-        self.backend = Backend(budget, parameters=model.parameters(), options=replace(options, profile=profile))
+        self.backend = Backend(budget, parameters=model.parameters(), options=replace(options, profile=profile),
+                               plan_cache=plan_cache)
         self.compiled = torch.compile(model, backend=self.backend, dynamic=False)
         log.info("%s is not one graph (%s): planning each graph Dynamo captures", options.name,
                  str(why).splitlines()[0])

@@ -160,7 +160,7 @@ class Rockmate(nn.Module):
     of profiling and solving it again. A directory; None (the default) for what the
     ROCKPLAN_PLAN_CACHE environment variable says (a directory, or "off"), else
     ~/.cache/rockplan; False for none. Not for a sharded model (its ranks agree on one
-    plan) nor one planned graph by graph through torch.compile (graph breaks).
+    plan).
     The model's hooks run in each step as in eager, on values without autograd history, never
     while planning; a hook that returns a value is traced into the step (`rkgraph.hooks`).
     Pickling (`torch.save(rk)`, `copy.deepcopy`) keeps the model and how to plan, not the plans
@@ -219,7 +219,7 @@ class Rockmate(nn.Module):
                 raise
             if self._sharded is not None:
                 raise self._sharded.graph_break_error(e) from e
-            self._current, self._graph_breaks = None, GraphBreaks(model, budget, self.options, e)
+            self._current, self._graph_breaks = None, GraphBreaks(model, budget, self.options, e, self._plan_cache)
 
     # --- what users read -------------------------------------------------------------------
     @property

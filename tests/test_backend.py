@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -156,18 +157,20 @@ def _recomputes(backend: rockplan.backend) -> bool:
 def test_graph_breaks_planned_within_one_budget(factory: Callable[[], nn.Module], graphs: int) -> None:
     x, budget = _input_and_budget(factory)
     model, eager, backend, compiled = _compiled(factory, budget)
-    first = measure_step(_step, compiled, x)  # Dynamo captures and we plan inside this step
+    # Dynamo captures and we plan inside this step; its end splits the budget jointly.
+    first = measure_step(_step, compiled, x)
     torch.testing.assert_close(first.result, _step(eager, x), rtol=1e-5, atol=1e-6)
     _assert_same_step(model, eager)
     assert len(backend.graphs) == graphs
-    assert _recomputes(backend), "the budget is below storing everything: some graph must recompute"
     assert first.peak <= budget, f"first step (capture included) peaked at {first.peak} B, budget {budget} B"
+    greedy = backend.superseded[0] if backend.superseded else list(backend.graphs)  # the first step's plans
+    assert {g.split for g in greedy} == {"greedy"}
+    assert _recomputes(backend), "the budget is below storing everything: some graph must recompute"
     # Later graphs are planned against what the earlier ones hold, and the step's parameter gradients.
-    assert backend.graphs[1].pending >= backend.graphs[0].held > 0
-    assert all(g.reserved == sum(p.numel() * 4 for p in model.parameters()) for g in backend.graphs)
+    assert greedy[1].pending >= greedy[0].held > 0
+    assert all(g.reserved == sum(p.numel() * 4 for p in model.parameters()) for g in greedy)
     assert backend.sequences == {tuple(range(graphs)): backend._reserves(tuple(range(graphs)))}
-    greedy = list(backend.graphs)
-    for step in range(2):  # the joint split is made as the second step starts, and holds
+    for step in range(2):  # the joint split holds
         for module in (model, eager):
             module.zero_grad(set_to_none=True)
         later = measure_step(_step, compiled, x)
@@ -190,7 +193,7 @@ def test_joint_split_is_faster_than_the_greedy_one() -> None:
     model, eager, backend, compiled = _compiled(_Branching, budget)
     for module in (compiled, eager):
         _step(module, x)
-    greedy = list(backend.graphs)
+    [greedy] = backend.superseded  # the first step's plans, replaced as it ended
     for module in (model, eager):
         module.zero_grad(set_to_none=True)
     joint = measure_step(_step, compiled, x)
@@ -274,6 +277,21 @@ def test_zoo_model_without_breaks_is_one_graph() -> None:
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=f"gradient of {name}")
     assert len(backend.graphs) == 1
     assert planned.peak <= budget
+    # The first step ran a schedule built without a search; it ended by planning the graph at
+    # the whole budget, as Rockmate plans the model.
+    for module in (model, eager):
+        module.zero_grad(set_to_none=True)
+    again = measure_step(step, compiled)
+    torch.testing.assert_close(again.result, step(eager), rtol=1e-4, atol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=f"gradient of {name}")
+    assert again.peak <= budget
+    [first] = backend.superseded
+    assert first[0].split == "greedy" and first[0].plan.schedule.solver != "rockmate"
+    rk = Rockmate(copy.deepcopy(model), (args, kwargs), budget, profile="estimate", solver_options={"time_limit": 10})
+    joint = backend.graphs[0].plan
+    assert backend.graphs[0].split == "joint" and joint.budget == budget
+    assert joint.schedule.predicted_time == pytest.approx(rk.plan.schedule.predicted_time, rel=1e-9)
 
 
 def test_rockmate_falls_back_to_dynamo_on_a_graph_break() -> None:
@@ -293,6 +311,30 @@ def test_rockmate_falls_back_to_dynamo_on_a_graph_break() -> None:
     rk.eval()
     with torch.no_grad():
         torch.testing.assert_close(rk(x), eager.eval()(x))
+
+
+def test_graphs_are_planned_from_the_plan_cache_when_run_again(tmp_path: Path, rockmate_calls: list) -> None:
+    """A script run again (a fresh Dynamo, a new Rockmate) with the plan cache of the first
+    run: every graph's plans, the first step's and the joint split's, are read back (the
+    solver is not called), and the steps are the first run's."""
+    torch.manual_seed(0)
+    x = torch.randn(512, 64)
+    budget = int(0.9 * _store_all_peak(_Deep, x))
+    runs = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = _Deep()
+        rk = Rockmate(model, x, budget, plan_cache=tmp_path)
+        rockmate_calls.clear()
+        losses = [_step(rk, x) for _ in range(3)]
+        runs.append((losses, [g.plan.schedule.ops for g in rk.graph_plans], len(rockmate_calls),
+                     [p.grad for p in model.parameters()]))
+    (first, first_ops, first_calls, first_grads), (again, again_ops, again_calls, again_grads) = runs
+    assert first_calls > 0 and again_calls == 0
+    assert [str(op) for ops in again_ops for op in ops] == [str(op) for ops in first_ops for op in ops]
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    torch.testing.assert_close(again_grads, first_grads, rtol=0, atol=0)
 
 
 def test_rockmate_with_graph_breaks_states_what_it_needs() -> None:
@@ -316,7 +358,8 @@ def test_ratio_budget_across_graph_breaks() -> None:
     first = measure_step(_step, rk, x)
     torch.testing.assert_close(first.result, _step(eager, x), rtol=1e-5, atol=1e-6)
     _assert_same_step(model, eager)
-    assert backend.budget is None and [g.split for g in rk.graph_plans] == ["smallest", "smallest"]
+    # The ratio is resolved, and the budget split, as the first step ends.
+    assert [g.split for g in backend.superseded[0]] == ["smallest", "smallest"]
     for module in (model, eager):
         module.zero_grad(set_to_none=True)
     second = measure_step(_step, rk, x)
@@ -332,9 +375,8 @@ def test_ratio_budget_across_graph_breaks() -> None:
 def test_ratio_below_the_smallest_step_says_which_ratio_fits() -> None:
     x = torch.randn(512, 64)
     compiled = torch.compile(_Branching(), backend=rockplan.backend(0.2), dynamic=False)
-    _step(compiled, x)
     with pytest.raises(InfeasibleBudget, match=r"ratio 0.2 .* give a ratio of at least 0\.\d\d"):
-        _step(compiled, x)
+        _step(compiled, x)  # as the first step ends, and the step's peak is known
 
 
 def test_autograd_ops_outside_the_graphs_are_refused_with_the_op_and_a_remedy() -> None:
