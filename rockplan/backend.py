@@ -73,9 +73,11 @@ so the graphs are known only as a real step runs them.
 Limits. Code Dynamo runs itself between graphs is not planned and allocates outside the
 budget (the `.item()` or the branch allocate nothing; a library call on tensors can): a graph
 whose input comes from autograd ops run outside any graph is refused, naming the op and the
-break. Shapes must be static (`dynamic=False`). A forward whose backward never runs (its
-outputs dropped) leaves its share counted: the step never completes, and no joint split is
-made.
+break. Dynamo runs a whole function eagerly where a graph break falls inside a for/while loop of
+it, also in a module or function the loop calls (a branch inside one block of a loop over the
+blocks), so such a break is refused this way too. Shapes must be static (`dynamic=False`). A
+forward whose backward never runs (its outputs dropped) leaves its share counted: the step never
+completes, and no joint split is made.
 """
 
 from __future__ import annotations
@@ -646,7 +648,12 @@ def _check_inputs_come_from_graphs(gm: fx.GraphModule, example_inputs: list[Any]
             f"input {node.name} of a graph was made by {op} (autograd node {type(grad_fn).__name__}) run outside "
             f"any captured graph, after the break: {where}. Dynamo ran it in Python, so what it keeps for the "
             "backward is outside the plan and the budget. Make the call traceable (for a library op: "
-            "torch.library.custom_op with register_fake), or move it out of the planned step.")
+            "torch.library.custom_op with register_fake), or move it out of the planned step. If it is the "
+            "model's own code, Dynamo ran a whole function eagerly: a graph break inside a for/while loop, "
+            "even one inside a module or function the loop calls (a branch on a tensor in a block of a loop "
+            "over blocks), makes Dynamo skip the frame with the loop (TORCH_LOGS=graph_breaks: \"graph break "
+            "in loop\", \"frame skipped\"). Move the break out of the loop (before or after it, or between "
+            "the model and its loss) or make it branchless (torch.where, torch.cond).")
 
 
 def _input_kinds(gm: fx.GraphModule, example_inputs: list[Any]) -> tuple[list[str], list[str]]:

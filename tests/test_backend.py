@@ -388,3 +388,37 @@ def test_autograd_ops_outside_the_graphs_are_refused_with_the_op_and_a_remedy() 
     assert isinstance(error, CaptureError)
     message = str(error)
     assert "Mul" in message and "outside" in message and "custom_op" in message
+
+
+class _BranchInLoopBlock(nn.Module):
+    """A branch inside one block of a loop over blocks: Dynamo skips the looping forward
+    ("graph break in loop"), running it eagerly; the block frames alone are compiled."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(64, width), nn.Linear(width, 8)
+        self.blocks = nn.ModuleList(_BranchingBlock(width) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x)) * 2
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h).square().mean()
+
+
+class _BranchingBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin(h))
+        return h * 2 if h.sum() > 0 else h
+
+
+def test_a_break_inside_a_loop_is_refused_naming_the_loop() -> None:
+    compiled = torch.compile(_BranchInLoopBlock(), backend=rockplan.backend(10**9), dynamic=False)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as failure:
+        _step(compiled, torch.randn(32, 64))
+    message = str(failure.value.inner_exception)
+    assert "Mul" in message and "before the first graph" in message and "graph break in loop" in message
