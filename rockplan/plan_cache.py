@@ -39,7 +39,7 @@ from torch import fx
 
 from rkgraph import RescaledTimes, joint_device
 from rkgraph.capture import JointGraph
-from rockplan.plan_file import PlanMismatch, plan_json, read_plan, rockplan_version
+from rockplan.plan_file import PlanMismatch, plan_json, rockplan_version
 from rockplan.planner import Plan, PlanOptions, plan
 from solvers import InfeasibleBudget
 
@@ -96,8 +96,6 @@ class PlanCache:
         if times is not None and path.exists():
             try:
                 found = plan(joint, budget, dataclasses.replace(options, profile=profile, plan_file=path), real_inputs)
-                # What was weighed when it was planned, not what loading its file tried.
-                found = dataclasses.replace(found, considered=read_plan(path).considered)
             except (PlanMismatch, InfeasibleBudget, ValueError, OSError) as e:
                 log.info("the cached plan %s is not used, planning anew: %s", path, e)
             else:

@@ -38,7 +38,7 @@ from rkgraph.units import format_bytes
 from rockplan import progress
 from rockplan.budget import parse_budget
 from rockplan.memory import cuda_blocks_fit_requests
-from rockplan.plan_file import PlanMismatch, load_plan
+from rockplan.plan_file import PlanMismatch, load_plan, read_plan
 from solvers import (
     RUNTIME_SOLVERS,
     InfeasibleBudget,
@@ -198,6 +198,10 @@ def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = Pl
         assert failure is not None
         raise failure
     chosen_joint, chosen_graph, schedule = chosen
+    if options.plan_file is not None:
+        # What was weighed when the file was planned, not what loading it tried (a lean
+        # variant's file does not match autograd's graph, which is not a plan "not found").
+        considered = read_plan(options.plan_file).considered
     if schedule.lower_bound is not None:
         log.info("planned by %s: peak %s, overhead %+.1f%% (no plan within the budget can be under %+.1f%%)",
                  schedule.solver, format_bytes(schedule.predicted_peak),

@@ -502,6 +502,7 @@ def test_lean_plan_exports_and_reloads(tmp_path) -> None:
     assert read_plan(path).considered == rk.considered and rk.considered  # autograd's graph, not run
     reloaded = Rockmate(copied, (args, kwargs), 0.5, profile="estimate", plan_file=path)
     assert [str(op) for op in reloaded.schedule.ops] == [str(op) for op in rk.schedule.ops]
+    assert reloaded.considered == rk.considered  # what the file says was weighed, not what loading it tried
     planned, again = measure_step(_step, rk, args, kwargs), measure_step(_step, reloaded, args, kwargs)
     torch.testing.assert_close(again.result, planned.result, rtol=0, atol=0)
     _assert_same_state(model, copied)
