@@ -348,7 +348,12 @@ class Backend:
             result, best = fitting[min(within)[1]]
             best_held = result.held_into_backward
         else:
-            best = self._plan(joint, budget, self._planned_on(quick[0][1].times), inputs)
+            try:
+                best = self._plan(joint, budget, self._planned_on(quick[0][1].times), inputs)
+            except InfeasibleBudget:  # (a search out of time where a quick schedule fits)
+                if not fitting:
+                    raise
+                best = fitting[0][1]
             best_held = simulate(best.graph, best.schedule).held_into_backward
             least = [(result.held_into_backward, i) for i, (result, _) in enumerate(fitting)
                      if result.held_into_backward < best_held]
