@@ -217,9 +217,9 @@ class Backend:
                 state["plan"] = GraphPlan(index, planned, planned.budget, pending, 0, held,
                                           _output_gradients(planned), ends_at, "smallest")
             else:
-                planned, held = self._plan_greedily(joint, real, index, pending)
-                state["plan"] = GraphPlan(index, planned, planned.budget, pending, sum(self._gradients.values()),
-                                          held, _output_gradients(planned), ends_at)
+                planned, held, reserved = self._plan_greedily(joint, real, index, pending)
+                state["plan"] = GraphPlan(index, planned, planned.budget, pending, reserved, held,
+                                          _output_gradients(planned), ends_at)
             self.graphs.append(state["plan"])
             log.info("graph %d: %d nodes, budget %s (%s held by earlier graphs, %s of parameter gradients)",
                      index, len(planned.graph.nodes), format_bytes(state["plan"].budget), format_bytes(pending),
@@ -313,21 +313,38 @@ class Backend:
         return reserves
 
     # --- planning ----------------------------------------------------------------------------
-    def _plan_greedily(self, joint: JointGraph, real: list[Any], index: int, pending: int) -> tuple[Plan, int]:
+    def _plan_greedily(self, joint: JointGraph, real: list[Any], index: int,
+                       pending: int) -> tuple[Plan, int, int]:
+        """The first plan of graph `index`, what it holds into its backward, and the bytes of
+        parameter gradients reserved beside it: every trainable parameter's of the step, or,
+        where that leaves too little, only those of the parameters the graph does not take.
+        Its planner counts its own parameters' gradients, so the first counts them twice (a
+        later graph may use them too, and make their gradients before this graph's backward
+        runs); the second counts them once, as `Rockmate` does. Dynamo compiles a graph again
+        where a guard fails, as the same graph (transformers' classification losses set
+        `config.problem_type` in the first step): once the budget is known, such a graph's
+        own gradients counted twice can leave no room at all."""
         reserved = sum(self._gradients.values())
-        budget = self.budget - pending - reserved
-        if budget <= 0:
-            raise InfeasibleBudget(
-                f"budget {format_bytes(self.budget)} leaves nothing for graph {index}: the graphs before it "
-                f"hold {format_bytes(pending)} into its backward and the step's parameter gradients take "
-                f"{format_bytes(reserved)}; give a larger budget")
-        try:
-            return self._plan_leaving_room(joint, budget, real)
-        except InfeasibleBudget as e:
-            raise InfeasibleBudget(
-                f"graph {index} of the step gets {format_bytes(budget)} of the budget {format_bytes(self.budget)} "
-                f"(the graphs before it hold {format_bytes(pending)} into its backward, the step's parameter "
-                f"gradients take {format_bytes(reserved)}), and that is too little: {e}") from e
+        others = reserved - sum(self._gradients[i] for i in self._parameters[index])
+        failure: InfeasibleBudget | None = None
+        for reserve in dict.fromkeys((reserved, others)):
+            budget = self.budget - pending - reserve
+            if budget <= 0:
+                failure = failure or InfeasibleBudget(
+                    f"budget {format_bytes(self.budget)} leaves nothing for graph {index}: the graphs before it "
+                    f"hold {format_bytes(pending)} into its backward and the step's parameter gradients take "
+                    f"{format_bytes(reserve)}; give a larger budget")
+                continue
+            try:
+                return (*self._plan_leaving_room(joint, budget, real), reserve)
+            except InfeasibleBudget as e:
+                failure = failure or InfeasibleBudget(
+                    f"graph {index} of the step gets {format_bytes(budget)} of the budget {format_bytes(self.budget)} "
+                    f"(the graphs before it hold {format_bytes(pending)} into its backward, the step's parameter "
+                    f"gradients take {format_bytes(reserve)}), and that is too little: {e}")
+                failure.__cause__ = e
+        assert failure is not None
+        raise failure
 
     def _plan_leaving_room(self, joint: JointGraph, budget: int, real: list[Any]) -> tuple[Plan, int]:
         """The first step's plan of a graph within `budget`, and what it holds into its backward.
