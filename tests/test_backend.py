@@ -379,6 +379,45 @@ def test_ratio_below_the_smallest_step_says_which_ratio_fits() -> None:
         _step(compiled, x)  # as the first step ends, and the step's peak is known
 
 
+class _SetsItsModeOnce(nn.Module):
+    """Wide layers (their gradients are a large part of the step), and an attribute the
+    first call sets, as transformers' classification losses set `config.problem_type`: Dynamo's
+    guard on it fails in the second step, which compiles the same graph again."""
+
+    def __init__(self, width: int = 512, depth: int = 6) -> None:
+        super().__init__()
+        hidden = [module for _ in range(depth) for module in (nn.Linear(width, width), nn.Tanh())]
+        self.layers = nn.Sequential(nn.Linear(64, width), nn.Tanh(), *hidden, nn.Linear(width, 8))
+        self.mode: str | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode is None:
+            self.mode = "squared"
+        return self.layers(x).square().mean()
+
+
+def test_a_graph_compiled_again_once_the_budget_is_known_fits_beside_the_others_gradients() -> None:
+    """The second step compiles the graph again (a new graph to the backend) after the ratio is
+    resolved: every parameter's gradient reserved beside it, its own counted twice, leaves it
+    too little, so it reserves only the gradients of parameters it does not take (none)."""
+    torch.manual_seed(0)
+    x = torch.randn(1024, 64)
+    model = _SetsItsModeOnce()
+    eager = copy.deepcopy(model)
+    backend = rockplan.backend(0.8)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    for _ in range(3):
+        for module in (model, eager):
+            module.zero_grad(set_to_none=True)
+        step = measure_step(_step, compiled, x)
+        torch.testing.assert_close(step.result, _step(eager, x), rtol=1e-5, atol=1e-6)
+        _assert_same_step(model, eager)
+    assert len(backend.graphs) == 2  # graph 1: graph 0 compiled again
+    first = next((graphs[1] for graphs in backend.superseded if len(graphs) > 1), backend.graphs[1])
+    assert first.split == "greedy" and first.reserved == 0
+    assert step.peak <= backend.budget
+
+
 def test_autograd_ops_outside_the_graphs_are_refused_with_the_op_and_a_remedy() -> None:
     model = _EagerBetween()
     compiled = torch.compile(model, backend=rockplan.backend(10**9), dynamic=False)
