@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import json
 import os
 import platform
 import shlex
@@ -100,3 +101,14 @@ def write_page(path: str | Path, title: str, body: str, command_line: str | None
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(header(title, command_line) + "\n" + body.rstrip("\n") + "\n")
     return path
+
+
+def child_row(script: str | Path, *arguments: str, label: str) -> dict | None:
+    """The JSON object a fresh interpreter running `script` with `arguments` prints last (None,
+    said on stderr with the end of its output, when it failed): one row of a page measured in a
+    process of its own, so that imports, caches and peak memory do not carry over."""
+    done = subprocess.run([sys.executable, str(script), *arguments], capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"{label}: failed\n{done.stderr[-2000:]}", file=sys.stderr, flush=True)
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])

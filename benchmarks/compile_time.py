@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_page import PAGES, write_page  # noqa: E402  (beside this script, on its path)
+from bench_page import PAGES, child_row, write_page  # noqa: E402  (beside this script, on its path)
 from plan_time import build  # noqa: E402
 
 MODELS = ("gpt", "resnet", "unet", "hf-gpt2", "vit", "hf-resnet50", "bert")
@@ -95,12 +94,8 @@ def compile_one(name: str, ratio: float, cache: str, restart: bool) -> dict[str,
 
 def _child(name: str, ratio: float, cache: str, restart: bool = False) -> dict[str, object] | None:
     """`compile_one`'s row, from a fresh interpreter (None, said on stderr, when it failed)."""
-    done = subprocess.run([sys.executable, __file__, "--one", name, "--ratio", str(ratio), "--cache", cache,
-                           *(["--restart"] if restart else [])], capture_output=True, text=True)
-    if done.returncode != 0:
-        print(f"{name}: failed\n{done.stderr[-2000:]}", file=sys.stderr, flush=True)
-        return None
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return child_row(__file__, "--one", name, "--ratio", str(ratio), "--cache", cache,
+                     *(["--restart"] if restart else []), label=name)
 
 
 def _added(steps: list[float]) -> float:

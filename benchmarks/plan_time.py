@@ -32,7 +32,6 @@ import contextlib
 import functools
 import json
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_page import PAGES, write_page  # noqa: E402  (beside this script, on its path)
+from bench_page import PAGES, child_row, write_page  # noqa: E402  (beside this script, on its path)
 
 MODELS = ("mlp", "resnet", "gpt", "unet", "resnet50", "hf-gpt2", "t5-small", "bert", "llama", "roberta", "vit",
           "swin-t", "efficientnet-b0", "hf-resnet50", "gpt2-l12", "gpt2-l24", "gpt2-l48")
@@ -397,12 +396,8 @@ def plot(rows: list[dict[str, object]], path: Path) -> None:
 
 def _child(name: str, budget: list[str], profile: str, cache: str, restart: bool = False) -> dict[str, object] | None:
     """`plan_one`'s row, from a fresh interpreter (None, said on stderr, when it failed)."""
-    done = subprocess.run([sys.executable, __file__, "--one", name, *budget, "--profile", profile, "--cache", cache,
-                           *(["--restart"] if restart else [])], capture_output=True, text=True)
-    if done.returncode != 0:
-        print(f"{name}: failed\n{done.stderr[-2000:]}", file=sys.stderr, flush=True)
-        return None
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return child_row(__file__, "--one", name, *budget, "--profile", profile, "--cache", cache,
+                     *(["--restart"] if restart else []), label=name)
 
 
 def main() -> None:
