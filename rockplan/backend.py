@@ -27,7 +27,9 @@ in this step, but not those after it (a greedy split):
 The last term is needed because a later graph may use any parameter (tied weights, a module
 called on both sides of a break) and its gradient then waits through graph k's backward; the
 graph's own planner also counts the gradients of its own parameters, so those are counted twice
-for it, the price of not knowing the later graphs. A graph's first plan holds at most
+for it, the price of not knowing the later graphs; where that leaves the graph too little (a
+graph Dynamo compiles again once the budget is known, its parameters most of the step), only
+the gradients of the parameters it does not take are reserved. A graph's first plan holds at most
 HOLD_SHARE of its budget when a schedule within it can, to leave the unknown later graphs room.
 That plan serves one step, so it is made without a search where it can be: the fastest of the
 schedules built in milliseconds (storing everything, each block checkpointed, square-root
