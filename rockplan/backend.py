@@ -88,7 +88,7 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -109,6 +109,7 @@ from rockplan.plan_cache import PlanCache, cache_directory
 from rockplan.planner import DEFAULT_SOLVER, Plan, PlanOptions, Profile, costed_graph, plan, reuse
 from solvers import (
     InfeasibleBudget,
+    SimulationResult,
     min_feasible_budget,
     simulate,
     solve_checkpoint_blocks,
@@ -359,7 +360,7 @@ class Backend:
         within the budget holding least, if it holds less. Without the share, a graph storing
         everything when it can would leave the next one too little (a greedy split)."""
         inputs = real if self.options.profile == "measure" else None
-        quick = [(simulate(p.graph, p.schedule), p) for p in self._quick_plans(joint, inputs)]
+        quick = self._quick_plans(joint, inputs)
         fitting = [(result, p) for result, p in quick if result.peak <= budget]
         within = [(result.time, i) for i, (result, _) in enumerate(fitting)
                   if result.held_into_backward <= HOLD_SHARE * budget]
@@ -382,14 +383,14 @@ class Backend:
         best.budget = budget  # what the graph was given; its schedule may fit a smaller one
         return best, best_held
 
-    def _quick_plans(self, joint: JointGraph, inputs: list[Any] | None) -> list[Plan]:
-        """Plans of autograd's graph of `joint` made without a search: storing everything, and
-        those holding little (`_holding_little`)."""
+    def _quick_plans(self, joint: JointGraph, inputs: list[Any] | None) -> list[tuple[SimulationResult, Plan]]:
+        """Plans of autograd's graph of `joint` made without a search, each with the simulator's
+        replay of it: storing everything first, then those holding little (`_holding_little`)."""
         graph = costed_graph(joint, inputs, self.options.profile, self.options)
         store_all = solve_store_all(graph)
         stored = Plan(joint, graph, store_all, store_all.predicted_peak, store_all, store_all,
                       {n.name: n.time for n in graph.nodes}, {})
-        return [stored, *_holding_little(stored)]
+        return [(simulate(p.graph, p.schedule), p) for p in (stored, *_holding_little(stored))]
 
     def _plan_smallest(self, joint: JointGraph, real: list[Any], index: int, pending: int) -> tuple[Plan, int]:
         """Under a ratio budget, before the step's peak is known: the fastest of the schedules
@@ -403,8 +404,7 @@ class Backend:
         (`_smallest_solved`). Notes autograd's graph storing everything, what the ratio is of
         (`_resolve_ratio`)."""
         assert self.ratio is not None
-        inputs = real if self.options.profile == "measure" else None
-        quick = [(simulate(p.graph, p.schedule), p) for p in self._quick_plans(joint, inputs)]
+        quick = self._quick_plans(joint, real if self.options.profile == "measure" else None)
         store_all, stored = quick[0]
         self._store_all[index] = GraphOption(store_all.peak, store_all.held_into_backward + _output_gradients(stored),
                                              store_all.time)
@@ -496,7 +496,7 @@ class Backend:
         for g in new:
             room = self._room_plan(g, current)
             if room is not None:
-                self._options[g] = _distinct_options([planned for _, planned in self._options[g]] + [room])
+                self._options[g] = _distinct_options([room], self._options[g])
         chosen = choose({g: [option for option, _ in self._options[g]] for g in graphs}, self.sequences, self.budget,
                         share=HOLD_SHARE, current=current)
         if chosen is None:
@@ -542,7 +542,7 @@ class Backend:
                 solved = self._smallest_solved(self._joints[g], self.graphs[g].plan.graph, self._store_all[g].peak,
                                                self._planned_on(self.graphs[g].plan.times))
                 if solved is not None:
-                    self._options[g] = _distinct_options([p for _, p in self._options[g]] + [solved])
+                    self._options[g] = _distinct_options([solved], self._options[g])
         least = self._least_step_peak(graphs)
         if budget < least:
             raise InfeasibleBudget(
@@ -602,9 +602,11 @@ def _holding_little(planned: Plan) -> list[Plan]:
     return [*plans, _holding_least(planned)]
 
 
-def _distinct_options(plans: list[Plan]) -> list[tuple[GraphOption, Plan]]:
-    """Each plan with its `GraphOption` (`solvers.simulate` of it), the first of those alike."""
-    found: dict[tuple, tuple[GraphOption, Plan]] = {}
+def _distinct_options(plans: list[Plan], known: Sequence[tuple[GraphOption, Plan]] = ()
+                      ) -> list[tuple[GraphOption, Plan]]:
+    """`known` options, then each of `plans` with its `GraphOption` (`solvers.simulate` of it)
+    unless one alike came before."""
+    found = {(option.peak, option.held, option.time): (option, planned) for option, planned in known}
     for candidate in plans:
         result = simulate(candidate.graph, candidate.schedule)
         option = GraphOption(result.peak, result.held_into_backward + _output_gradients(candidate), result.time)
