@@ -12,8 +12,9 @@ its own:
 - the seconds of the first four training steps (forward and backward) under torch.compile
   with rockplan's backend, and what capture, planning and compiling added to the first three
   (their sum less three fourth steps: a guard that fails in the second step, as transformers'
-  classification losses make one fail by setting `config.problem_type`, has the graph captured
-  and planned again, and its joint split's plan compiled in the third);
+  classification losses make one fail by setting `config.problem_type`, has Dynamo capture the
+  graph again, which then runs the plan it had, compiled again for the joint split's plan
+  where that changed);
 - the same in another fresh interpreter with the cache the first one wrote, as a script run
   again (restart);
 - torch.compile with AOTAutograd and no planning (`backend="aot_eager"`): what compiling alone
@@ -40,7 +41,7 @@ from bench_page import PAGES, child_row, write_page  # noqa: E402  (beside this 
 from plan_time import build  # noqa: E402
 
 MODELS = ("gpt", "resnet", "unet", "hf-gpt2", "vit", "hf-resnet50", "bert")
-STEPS = 4  # the last is steady: a graph Dynamo compiles again in the second step is planned again as the third begins
+STEPS = 4  # the last is steady: a graph changed by a guard failing in the second step is planned in it
 
 
 def _call(module: object, sample: object) -> object:
@@ -112,10 +113,10 @@ def markdown(rows: list[dict[str, object]], ratio: float) -> str:
         f"Budget: {ratio} of the step's peak without rematerialization (a ratio: the first step runs each graph "
         "on a schedule built without a search, and the budget is resolved and split as it ends). Seconds per "
         "training step (forward and backward); *planning added* = the first three steps less three fourth steps "
-        "(Dynamo's and AOTAutograd's capture, the planning, compiling the chosen plans again; a graph compiled "
-        "again by Dynamo in the second step is planned again). *Restart*: a fresh process with the plan cache "
-        "the first wrote. *aot_eager*: torch.compile with AOTAutograd and no planning, what compiling adds to "
-        "its first three steps, and its fourth. *Plan vs "
+        "(Dynamo's and AOTAutograd's capture, the planning, compiling the chosen plans again; a graph Dynamo "
+        "compiles again unchanged in the second step runs the plan it had). *Restart*: a fresh process with the "
+        "plan cache the first wrote. *aot_eager*: torch.compile with AOTAutograd and no planning, what compiling "
+        "adds to its first three steps, and its fourth. *Plan vs "
         "Rockmate's*: the predicted time of the backend's plans over Rockmate's plan at the same budget in "
         "bytes, estimated costs (one-graph models).",
         "",

@@ -53,7 +53,11 @@ seen yet may still follow any graph but a sequence's last (a branch first taken 
 step, planned greedily against what the graphs before it hold), so there the joint split keeps
 the greedy rule: such a graph holds at most HOLD_SHARE of the room the graphs before it left (or
 what its current plan holds, if more). The plans a step's graphs ran are among the choices, so
-the joint split is never predicted slower. Plans change only between steps, all at once (a
+the joint split is never predicted slower. A graph Dynamo compiles again unchanged (a guard
+on state the graph does not read fails: transformers' classification losses set
+`config.problem_type` in the first call) is the same ops on the same parameters and inputs
+(`_graph_key`): it runs as the graph it had, on its plan, in the sequences seen, and nothing
+is planned again. Plans change only between steps, all at once (a
 step never mixes the plans of two splits); a graph given another plan is compiled again by
 AOTAutograd on fake copies of its arguments when it next runs, which allocates nothing. With
 a plan cache (`backend(plan_cache=...)`, `Rockmate`'s), every plan the planner makes is kept
@@ -86,6 +90,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -105,7 +110,7 @@ from rkgraph.units import format_bytes
 from rockplan.budget import budget_bytes
 from rockplan.codegen import compile_generated, generate
 from rockplan.graph_split import GraphOption, GraphSequence, choose, step_peaks
-from rockplan.plan_cache import PlanCache, cache_directory
+from rockplan.plan_cache import PlanCache, cache_directory, described
 from rockplan.planner import DEFAULT_SOLVER, Plan, PlanOptions, Profile, costed_graph, plan, reuse
 from solvers import (
     InfeasibleBudget,
@@ -194,6 +199,8 @@ class Backend:
         self._compiled: dict[int, tuple[Plan, Callable]] = {}  # graph -> its plan and AOTAutograd's callable of it
         self._joints: dict[int, JointGraph] = {}  # graph -> autograd's joint graph of it, rewritten
         self._store_all: dict[int, GraphOption] = {}  # graph -> autograd's graph storing everything (ratios)
+        self._forwards: dict[int, Callable] = {}  # graph -> the callable returned to Dynamo for it
+        self._same: dict[str, int] = {}  # `_graph_key` of each graph planned -> its index
 
     @property
     def __name__(self) -> str:  # Dynamo names backends in its logs and errors
@@ -204,6 +211,16 @@ class Backend:
         self._note_parameters(example_inputs)
         _check_inputs_come_from_graphs(gm, example_inputs, self.graphs)
         kinds, names = _input_kinds(gm, example_inputs)
+        key = _graph_key(gm, example_inputs, kinds)
+        if key in self._same:
+            # Dynamo compiles a graph again where a guard on something the graph does not read
+            # fails (transformers' classification losses set `config.problem_type` in the
+            # first step): the same ops on the same parameters run the earlier graph's plan, as
+            # that graph, in the sequences and splits already made, with nothing planned again.
+            same = self._same[key]
+            log.info("graph %d compiled again by Dynamo (a guard failed), op for op on the same parameters: it runs "
+                     "as graph %d, with its plan", len(self.graphs), same)
+            return self._forwards[same]
         real = [*gm.parameters(), *gm.buffers(), *example_inputs]
         index = len(self.graphs)
         self._parameters[index] = frozenset(id(t) for t in real if isinstance(t, nn.Parameter) and t.requires_grad)
@@ -249,6 +266,9 @@ class Backend:
             self._running.append(index)
             return out
 
+        self._forwards[index] = forward
+        if key is not None:
+            self._same[key] = index
         return forward
 
     # --- compiling -------------------------------------------------------------------------
@@ -323,10 +343,11 @@ class Backend:
         where that leaves too little, only those of the parameters the graph does not take.
         Its planner counts its own parameters' gradients, so the first counts them twice (a
         later graph may use them too, and make their gradients before this graph's backward
-        runs); the second counts them once, as `Rockmate` does. Dynamo compiles a graph again
-        where a guard fails, as the same graph (transformers' classification losses set
-        `config.problem_type` in the first step): once the budget is known, such a graph's
-        own gradients counted twice can leave no room at all."""
+        runs); the second counts them once, as `Rockmate` does. Dynamo compiles a frame again
+        where a guard fails, after the first step (a graph unchanged runs as the one it had,
+        but a frame whose code took another path once an attribute was set is a new graph on
+        the same parameters): once the budget is known, such a graph's own gradients counted
+        twice can leave no room at all."""
         reserved = sum(self._gradients.values())
         others = reserved - sum(self._gradients[i] for i in self._parameters[index])
         failure: InfeasibleBudget | None = None
@@ -680,6 +701,40 @@ def _check_inputs_come_from_graphs(gm: fx.GraphModule, example_inputs: list[Any]
             "over blocks), makes Dynamo skip the frame with the loop (TORCH_LOGS=graph_breaks: \"graph break "
             "in loop\", \"frame skipped\"). Move the break out of the loop (before or after it, or between "
             "the model and its loss) or make it branchless (torch.where, torch.cond).")
+
+
+def _graph_key(gm: fx.GraphModule, example_inputs: list[Any], kinds: list[str]) -> str | None:
+    """A hash of everything AOTAutograd's trace of `gm` on `example_inputs` and the plan of it
+    depend on, naming no node (Dynamo names a graph's inputs by the path it read them from,
+    which differs between two compilations of one frame): each op and its arguments by
+    position, each input's kind, the identity of each parameter (the backend's reserves count
+    them by identity), the shapes, strides, dtypes and storage sharing of the other inputs,
+    and the grad and autocast modes the graph is traced under. None where the graph holds
+    attributes of its own (constants, submodules), which are not compared: such a graph is
+    planned as new."""
+    if gm.graph.find_nodes(op="get_attr") or gm.graph.find_nodes(op="call_module"):
+        return None
+    position: dict[fx.Node, int] = {}
+    digest = hashlib.sha256()
+    for i, node in enumerate(gm.graph.nodes):
+        position[node] = i
+        target = node.target if node.op in ("call_function", "call_method") else ""
+        arguments = fx.map_arg((node.args, node.kwargs), lambda n: f"%{position[n]}")
+        digest.update(f"{node.op} {target} {described(arguments)}\n".encode())
+    storages: dict[int, int] = {}
+    for i, (kind, value) in enumerate(zip(kinds, example_inputs, strict=True)):
+        if isinstance(value, nn.Parameter):
+            part = f"{kind} parameter {id(value)} {value.requires_grad}"
+        elif isinstance(value, torch.Tensor):
+            shared = storages.setdefault(value.untyped_storage().data_ptr(), i)
+            part = f"{kind} {described(value)} offset {value.storage_offset()} storage of {shared}"
+        else:
+            part = f"{kind} {value!r}"
+        digest.update(f"{part}\n".encode())
+    modes = [torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
+    modes += [(torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")]
+    digest.update(repr(modes).encode())
+    return digest.hexdigest()
 
 
 def _input_kinds(gm: fx.GraphModule, example_inputs: list[Any]) -> tuple[list[str], list[str]]:

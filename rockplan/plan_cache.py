@@ -186,17 +186,17 @@ def profile_key(joint: JointGraph, options: PlanOptions) -> str:
 def plan_key(profiled: str, budget: int | float | str, options: PlanOptions) -> str:
     """A hash of everything a plan depends on beyond its times (`profile_key`): the budget and
     how it is planned."""
-    parts = (profiled, repr(budget), options.solver, _described(dict(options.solver_options)), options.replay_rng,
+    parts = (profiled, repr(budget), options.solver, described(dict(options.solver_options)), options.replay_rng,
              options.lean_variant)
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:40]
 
 
 def _node_described(node: fx.Node) -> str:
     arguments = fx.map_arg((node.args, node.kwargs), lambda n: f"%{n.name}")
-    return f"{node.op} {node.name} {node.target} {_described(arguments)} {_described(node.meta.get('val'))}"
+    return f"{node.op} {node.name} {node.target} {described(arguments)} {described(node.meta.get('val'))}"
 
 
-def _described(value: Any) -> str:
+def described(value: Any) -> str:
     """`value` in words that hold its tensors' metadata, not their data (constants in the
     graph's arguments, fake values in its nodes' meta)."""
     def leaf(x: Any) -> Any:

@@ -382,40 +382,99 @@ def test_ratio_below_the_smallest_step_says_which_ratio_fits() -> None:
 class _SetsItsModeOnce(nn.Module):
     """Wide layers (their gradients are a large part of the step), and an attribute the
     first call sets, as transformers' classification losses set `config.problem_type`: Dynamo's
-    guard on it fails in the second step, which compiles the same graph again."""
+    guard on it fails in the second step, which compiles the graph again: the same graph, or
+    with `changes` another one (the loss written another way once the mode is set)."""
 
-    def __init__(self, width: int = 512, depth: int = 6) -> None:
+    def __init__(self, width: int = 512, depth: int = 6, changes: bool = False) -> None:
         super().__init__()
         hidden = [module for _ in range(depth) for module in (nn.Linear(width, width), nn.Tanh())]
         self.layers = nn.Sequential(nn.Linear(64, width), nn.Tanh(), *hidden, nn.Linear(width, 8))
         self.mode: str | None = None
+        self.changes = changes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.layers(x)
         if self.mode is None:
             self.mode = "squared"
-        return self.layers(x).square().mean()
+        elif self.changes:
+            return (y * y).mean()
+        return y.square().mean()
+
+
+def _three_steps_as_eager(model: nn.Module, backend: rockplan.backend, x: torch.Tensor) -> list:
+    """Three training steps of `model` compiled with `backend` beside eager's, checked equal;
+    the measured steps."""
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    steps = []
+    for _ in range(3):
+        for module in (model, eager):
+            module.zero_grad(set_to_none=True)
+        steps.append(measure_step(_step, compiled, x))
+        torch.testing.assert_close(steps[-1].result, _step(eager, x), rtol=1e-5, atol=1e-6)
+        _assert_same_step(model, eager)
+    return steps
 
 
 def test_a_graph_compiled_again_once_the_budget_is_known_fits_beside_the_others_gradients() -> None:
-    """The second step compiles the graph again (a new graph to the backend) after the ratio is
+    """The second step compiles another graph on the same parameters after the ratio is
     resolved: every parameter's gradient reserved beside it, its own counted twice, leaves it
     too little, so it reserves only the gradients of parameters it does not take (none)."""
     torch.manual_seed(0)
     x = torch.randn(1024, 64)
-    model = _SetsItsModeOnce()
-    eager = copy.deepcopy(model)
     backend = rockplan.backend(0.8)
-    compiled = torch.compile(model, backend=backend, dynamic=False)
-    for _ in range(3):
-        for module in (model, eager):
-            module.zero_grad(set_to_none=True)
-        step = measure_step(_step, compiled, x)
-        torch.testing.assert_close(step.result, _step(eager, x), rtol=1e-5, atol=1e-6)
-        _assert_same_step(model, eager)
-    assert len(backend.graphs) == 2  # graph 1: graph 0 compiled again
+    steps = _three_steps_as_eager(_SetsItsModeOnce(changes=True), backend, x)
+    assert len(backend.graphs) == 2  # graph 1: the loss written the other way
     first = next((graphs[1] for graphs in backend.superseded if len(graphs) > 1), backend.graphs[1])
     assert first.split == "greedy" and first.reserved == 0
-    assert step.peak <= backend.budget
+    assert steps[-1].peak <= backend.budget
+
+
+def test_the_same_graph_compiled_again_runs_the_plan_it_has() -> None:
+    """Dynamo compiles the same graph again in the second step (a guard on the attribute the
+    first set): it runs as graph 0, on graph 0's plan, and nothing is planned again."""
+    torch.manual_seed(0)
+    x = torch.randn(1024, 64)
+    backend = rockplan.backend(0.8)
+    plans = []
+    planner = backend._plan
+
+    def counted(*args: object, **kwargs: object) -> object:
+        plans.append(len(backend.sequences))
+        return planner(*args, **kwargs)
+
+    backend._plan = counted
+    steps = _three_steps_as_eager(_SetsItsModeOnce(), backend, x)
+    assert len(backend.graphs) == 1 and list(backend.sequences) == [(0,)]
+    assert plans and all(after_steps <= 1 for after_steps in plans)  # all within the first step
+    assert all(step.peak <= backend.budget for step in steps[1:])
+
+
+def test_graph_key_tells_apart_what_a_plan_depends_on() -> None:
+    """Two compilations of one frame on the same parameters share a key whatever Dynamo named
+    their inputs; another module's parameters, other shapes, or grad mode off do not."""
+    from rockplan.backend import _graph_key, _input_kinds
+
+    captured = []
+
+    def recorded(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        captured.append(_graph_key(gm, example_inputs, _input_kinds(gm, example_inputs)[0]))
+        return gm.forward
+
+    torch.manual_seed(0)
+    model, other = _SetsItsModeOnce(width=16, depth=1), _SetsItsModeOnce(width=16, depth=1)
+    x = torch.randn(4, 64)
+    compiled = torch.compile(model, backend=recorded, dynamic=False)
+    for _ in range(2):  # the second call compiles again: the guard on `mode` fails
+        compiled(x).backward()
+    other.mode = "set otherwise"  # else Dynamo runs graph 0 on its parameters: they are the graph's inputs
+    torch.compile(other, backend=recorded, dynamic=False)(x)
+    torch.compile(model, backend=recorded, dynamic=False)(torch.randn(8, 64))
+    with torch.no_grad():
+        torch.compile(model, backend=recorded, dynamic=False)(x)
+    assert len(captured) == 5 and captured[0] is not None
+    assert captured[1] == captured[0]
+    assert len(set(captured[1:])) == 4
 
 
 def test_autograd_ops_outside_the_graphs_are_refused_with_the_op_and_a_remedy() -> None:
