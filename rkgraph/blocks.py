@@ -57,9 +57,14 @@ def chain_constants(graph: RematGraph) -> set[str]:
     model's attention mask from the padding mask, its positions, their rotary tables), and the
     zero-byte values that order random draws (`DataNode.order_only`, held once made). Made
     before the first layer and read by all, they would otherwise leave a model one block: no
-    single tensor crosses between its layers."""
-    return (_computed_from(graph, ("param", "buffer")) | _computed_from(graph, ("input", "buffer"))
-            | graph.order_values)
+    single tensor crosses between its layers. The second kind only in a graph that reads
+    parameters: it is what a model computes beside the layers, which read parameters; in a
+    graph without any (Checkmate's graphs, which model none) every activation is computed
+    from the inputs alone, and all of them taken for constants left it one block, its
+    checkpoint-per-block baseline storing everything."""
+    reads_parameters = any(data.kind == "param" for data in graph.data.values())
+    derived = _computed_from(graph, ("input", "buffer")) if reads_parameters else set()
+    return _computed_from(graph, ("param", "buffer")) | derived | graph.order_values
 
 
 def _computed_from(graph: RematGraph, kinds: tuple[str, ...]) -> set[str]:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from rkgraph.blocks import derived_blocks
 from solvers import (
     CHECKMATE_GRAPHS,
     budget_bounds,
     checkmate_reference_peak,
     load_checkmate_graph,
     simulate,
+    solve_checkpoint_blocks,
     solve_dtr,
     solve_ilp,
     solve_peak_shaving,
@@ -35,6 +37,16 @@ def test_reference_peak_and_floor_match_the_readme(name: str, floor: float) -> N
     assert solve_store_all(graph).predicted_peak == reference  # same accounting as our simulator
     bounds = budget_bounds(graph)
     assert bounds.exact and bounds.lower / reference == pytest.approx(floor, abs=0.01)
+
+
+@pytest.mark.parametrize(("name", "peak"), [("fcn8", 0.62), ("unet", 0.72)])
+def test_a_graph_without_parameters_is_cut_into_blocks(name: str, peak: float) -> None:
+    """Every activation of a graph that models no parameters is computed from its input alone:
+    none is a value every block reads, so the chain is cut where one tensor crosses."""
+    graph = load_checkmate_graph(CHECKMATE_GRAPHS / f"{name}.json")
+    assert len(derived_blocks(graph)) > 4
+    schedule = solve_checkpoint_blocks(graph)
+    assert schedule.predicted_peak <= peak * checkmate_reference_peak(graph)
 
 
 @pytest.mark.parametrize(("name", "fraction", "max_overhead"), [("vgg16", 0.9, 0.05), ("fcn8", 0.8, 0.02)])
