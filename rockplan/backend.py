@@ -708,7 +708,7 @@ def _graph_key(gm: fx.GraphModule, example_inputs: list[Any], kinds: list[str]) 
     depend on, naming no node (Dynamo names a graph's inputs by the path it read them from,
     which differs between two compilations of one frame): each op and its arguments by
     position, each input's kind, the identity of each parameter (the backend's reserves count
-    them by identity), the shapes, strides, dtypes and storage sharing of the other inputs,
+    them by identity), the shapes, strides, dtypes, devices and storage sharing of the other inputs,
     and the grad and autocast modes the graph is traced under. None where the graph holds
     attributes of its own (constants, submodules), which are not compared: such a graph is
     planned as new."""
@@ -727,7 +727,7 @@ def _graph_key(gm: fx.GraphModule, example_inputs: list[Any], kinds: list[str]) 
             part = f"{kind} parameter {id(value)} {value.requires_grad}"
         elif isinstance(value, torch.Tensor):
             shared = storages.setdefault(value.untyped_storage().data_ptr(), i)
-            part = f"{kind} {described(value)} offset {value.storage_offset()} storage of {shared}"
+            part = f"{kind} {described(value)} on {value.device} offset {value.storage_offset()} storage of {shared}"
         else:
             part = f"{kind} {value!r}"
         digest.update(f"{part}\n".encode())
