@@ -712,7 +712,8 @@ def _graph_key(gm: fx.GraphModule, example_inputs: list[Any], kinds: list[str]) 
     and the grad and autocast modes the graph is traced under. None where the graph holds
     attributes of its own (constants, submodules), which are not compared: such a graph is
     planned as new."""
-    if gm.graph.find_nodes(op="get_attr") or gm.graph.find_nodes(op="call_module"):
+    if (gm.graph.find_nodes(op="get_attr") or gm.graph.find_nodes(op="call_module")
+            or len(kinds) != len(example_inputs)):
         return None
     position: dict[fx.Node, int] = {}
     digest = hashlib.sha256()
