@@ -301,8 +301,9 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
             min_memory_joins()
             remaining = max(1.0, remaining)
             if candidates:
-                # Something already fits (the chain's plans, the minimum-memory schedule): the
-                # flat MILP rarely improves on it on whole models, so it only gets a short look, from it.
+                # Something already fits (a checkpointing baseline, a known schedule, the chain's
+                # plans, the minimum-memory schedule): the flat MILP rarely improves on it on whole
+                # models, so it only gets a short look, from it.
                 remaining = min(remaining, max(FLAT_ILP_MIN_LOOK, 0.1 * time_limit))
             candidates.append(solve_milp(graph, budget, time_limit=remaining, mip_rel_gap=gap, known=candidates,
                                         floor=floor))
