@@ -100,12 +100,13 @@ class _Emitter:
         """`original` (an update of a buffer, `in_place_updates`) as the in-place op writing the
         buffer: the buffer's node stands for the update, and the op's other outputs are its own."""
         args, kwargs = fx.node.map_arg((original.args, original.kwargs), self.value)
-        if original.target is aten._native_batch_norm_legit_functional.default:
-            node = self.graph.call_function(aten._native_batch_norm_legit.default, args, kwargs)
-            node.meta = {**original.meta, "val": original.meta["val"][:3]}
+        if original.target in _BATCH_NORM_IN_PLACE:
+            in_place, first = _BATCH_NORM_IN_PLACE[original.target]
+            node = self.graph.call_function(in_place, args, kwargs)
+            node.meta = {**original.meta, "val": original.meta["val"][:first]}
             for item in original.users:
-                if item.args[1] >= 3:  # the new running mean and variance: written into the buffers
-                    self.env[item.name] = args[item.args[1]]
+                if item.args[1] >= first:  # the new running mean and variance: written into the buffers
+                    self.env[item.name] = args[_RUNNING_STATS[item.args[1] - first]]
                     self.written.add(item.name)
         else:
             node = self.graph.call_function(_IN_PLACE[original.target], args, kwargs)
@@ -183,8 +184,15 @@ def _rerun_random_ops(graph: RematGraph, ops: list[Any], fx_nodes: dict[str, fx.
 
 
 # Out-of-place ops a step updates a buffer with, and their in-place forms (writing their first
-# argument); BatchNorm's functional op is handled apart (its updates are two of its outputs).
+# argument); BatchNorm's functional ops are handled apart (their updates are two of their outputs).
 _IN_PLACE = {aten.add.Tensor: aten.add_.Tensor}
+# BatchNorm's functional ops: the op writing the running statistics in place (same arguments),
+# and the index of the first of the two updates among the outputs (those before it are its own).
+_BATCH_NORM_IN_PLACE = {
+    aten._native_batch_norm_legit_functional.default: (aten._native_batch_norm_legit.default, 3),
+    aten._batch_norm_with_update_functional.default: (aten._batch_norm_with_update.default, 4),
+}
+_RUNNING_STATS = (3, 4)  # the arguments of BatchNorm's running mean and variance
 
 
 def in_place_updates(joint: JointGraph, graph: RematGraph, schedule: Any, saved: Collection[str]) -> list[str]:
@@ -210,9 +218,11 @@ def in_place_updates(joint: JointGraph, graph: RematGraph, schedule: Any, saved:
     for node in nodes:
         if node.op != "call_function" or runs[group.get(node.name, "")] != 1:
             continue
-        if node.target is aten._native_batch_norm_legit_functional.default:
-            updates = {item.args[1]: item for item in node.users if item.args[1] >= 3}
-            if len(updates) == 2 and all(only_updates(node.args[i], updates[i], node) for i in (3, 4)):
+        if node.target in _BATCH_NORM_IN_PLACE:
+            first = _BATCH_NORM_IN_PLACE[node.target][1]
+            updates = [item for item in node.users if item.args[1] >= first]
+            if len(updates) == 2 and all(only_updates(node.args[_RUNNING_STATS[item.args[1] - first]], item, node)
+                                         for item in updates):
                 found.append(node.name)
         elif node.target in _IN_PLACE:
             value, buffer = node.meta.get("val"), node.args[0]

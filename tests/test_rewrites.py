@@ -4,6 +4,7 @@ run on real tensors."""
 from __future__ import annotations
 
 import ast
+import copy
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,9 @@ from rkgraph.rewrites.cross_entropy import fuse_cross_entropy_backward
 from rkgraph.rewrites.dropout import SLICE_ELEMENTS, split_dropout
 from rkgraph.rewrites.dropout import scratch_bytes as dropout_scratch_bytes
 from rkgraph.rewrites.linear_cross_entropy import fuse_linear_cross_entropy, scratch_bytes
-from rockplan import zoo
+from rockplan import Rockmate, zoo
+from rockplan.memory import measure_step
+from rockplan.op_count import count_step
 from solvers import solve_store_all
 
 aten = torch.ops.aten
@@ -457,7 +460,7 @@ def test_table_names_each_rewrite_once_with_its_ops() -> None:
     assert len({r.name for r in table}) == len(table)
     assert sorted(str(op) for r in table for op in r.ops) == sorted(_OUR_OPS)
     assert {r.applies for r in table} == {"always", "lean"}
-    for r in table:  # only a rewrite of arguments (BatchNorm's backward) puts no op of ours in graphs
+    for r in table:  # only BatchNorm's rewrites (to other ATen ops, or arguments) put no op of ours in graphs
         assert (r.ops or r.applies == "always") and set(r.scratch) <= set(r.ops)
         assert r.description and "\n" not in r.description
     # The lean ones run after the ones they read (the attention reads the dropout's split).
@@ -534,3 +537,43 @@ assert torch.equal(first, again)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           cwd=Path(rkgraph.__file__).parent.parent)
     assert done.returncode == 0, done.stderr
+
+
+def _batch_norm_ops(rk) -> set[str]:
+    return {n.op for n in rk.graph.nodes if "batch_norm" in (n.op or "")}
+
+
+def test_batch_norm_is_left_as_traced_where_eager_runs_atens_own_kernels() -> None:
+    """On a CPU eager runs ATen's BatchNorm kernels, as the traced graph does: nothing changes."""
+    model, args, kwargs, loss = zoo.make("resnet")
+    rk = Rockmate(zoo.WithLoss(model, loss), (args, kwargs), 1.0, solver="store_all")
+    assert _batch_norm_ops(rk) == {"aten._native_batch_norm_legit_functional.default",
+                                   "aten.native_batch_norm_backward.default"}
+
+
+def test_batch_norm_where_eager_runs_a_vendors_kernels_runs_what_eager_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where eager would choose a vendor's BatchNorm (cuDNN's on CUDA; here MIOpen's choice is
+    forced, which keeps no reserve), the graph runs the ATen ops that make that choice as eager
+    does, and hand the forward's reserve to the backward. On a CPU they run ATen's kernels: a
+    plan below the step's peak makes the bits of the traced graph's plan, updates the running
+    statistics in place where it runs BatchNorm once, and stays within its budget."""
+    model, args, kwargs, loss = zoo.make("resnet")
+    traced_model, vendor_model = zoo.WithLoss(model, loss), zoo.WithLoss(copy.deepcopy(model), loss)
+    traced = Rockmate(traced_model, (args, kwargs), 0.75, profile="estimate")
+    monkeypatch.setattr(torch._C, "_select_batch_norm_backend", lambda *_: torch._C._BatchNormBackend.Miopen)
+    vendor = Rockmate(vendor_model, (args, kwargs), 0.75, profile="estimate")
+    monkeypatch.undo()
+    assert _batch_norm_ops(vendor) == {"aten._batch_norm_with_update_functional.default",
+                                       "aten.batch_norm_backward.default"}
+    results = []
+    for module in (traced, vendor):
+        measured = measure_step(lambda module=module: module(*args, **kwargs).backward())
+        assert measured.peak <= module.budget
+        results.append(([p.grad for p in module.parameters()], list(module.buffers())))
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+    ops = count_step(lambda: vendor(*args, **kwargs).backward())
+    # Six BatchNorms: those run once write the buffers in place, a recomputed one is functional.
+    assert ops["aten._batch_norm_with_update.default"] >= 1
+    assert ops["aten._batch_norm_with_update.default"] + ops["aten._batch_norm_with_update_functional.default"] >= 6
+    assert ops["aten.batch_norm_backward.default"] == 6
+    assert not any("native_batch_norm" in op for op in ops)

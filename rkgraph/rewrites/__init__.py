@@ -85,6 +85,10 @@ REWRITES: tuple[Rewrite, ...] = (
         "GELU's backward fused: written into the product that makes its incoming gradient",
     ),
     Rewrite(
+        "batch_norm_kernels", "always", batch_norm.eager_kernels, (), {},
+        "BatchNorm run by the kernels eager runs (cuDNN's on a GPU), not ATen's own",
+    ),
+    Rewrite(
         "batch_norm_backward_stats", "always", batch_norm.drop_unread_running_stats, (), {},
         "BatchNorm's backward given no running statistics, which in training it does not read",
     ),
