@@ -666,12 +666,24 @@ def _side_effects_kept():
 
 # Ops whose Python decomposition torch._decomp registers for the Autograd and
 # CompositeImplicitAutograd keys (py_impl), which AOTAutograd's tracing takes in place of the
-# ATen kernel. Eager runs the kernel: one output in the forward, `upsample_bilinear2d_backward`
-# in the backward. The decomposition gathers four corner images and blends them, with full-size
-# temporaries on both sides (UNet's bilinear upsample). Tracing without it keeps the graph's
-# ops, memory and times those of eager; an explicit decomposition table (inductor's) still
-# applies below autograd.
-_KEEP_NATIVE = (torch.ops.aten.upsample_bilinear2d.vec, torch.ops.aten.upsample_bilinear2d.default)
+# ATen kernel: every interpolation `F.interpolate` makes. Eager runs the kernel: one output in
+# the forward, its own backward kernel in the backward. The decompositions gather from index
+# tensors, and their backward scatters with accumulation (`_unsafe_index_put`), several times
+# slower than the upsampling kernels' backward; bilinear keeps four full-size corner images on
+# both sides (UNet); linear, trilinear and bicubic gradients round differently from eager's.
+# Tracing without them keeps the graph's ops, memory, times and bits those of eager; an
+# explicit decomposition table (inductor's) still applies below autograd. Each `.vec` overload
+# goes through its C++ composite to the `.default` kernel.
+_KEEP_NATIVE = tuple(
+    overload
+    for name in (
+        "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
+        "_upsample_nearest_exact1d", "_upsample_nearest_exact2d", "_upsample_nearest_exact3d",
+        "upsample_linear1d", "upsample_bilinear2d", "upsample_trilinear3d", "upsample_bicubic2d",
+        "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa",
+    )
+    for overload in (getattr(torch.ops.aten, name).default, getattr(torch.ops.aten, name).vec)
+)
 _DECOMPOSING_KEYS = (torch._C.DispatchKey.Autograd, torch._C.DispatchKey.CompositeImplicitAutograd)
 
 
