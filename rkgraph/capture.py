@@ -77,8 +77,28 @@ class JointGraph:
     mutated: frozenset[str] = frozenset()  # primal placeholders the step mutates (BatchNorm stats)
 
     def __post_init__(self) -> None:
+        refuse_unrunnable_ops(self.module)
         drop_profiler_ranges(self.module)
         float_batch_norm_statistics(self.module)
+
+
+def refuse_unrunnable_ops(module: fx.GraphModule) -> None:
+    """Raise `CaptureError` for a traced op whose compiled step PyTorch cannot run, naming the
+    module it comes from and what to do instead.
+
+    An LSTM on a CPU with oneDNN traces to `mkldnn_rnn_layer`, whose workspace output is an empty
+    tensor in the trace and None when the kernel runs: AOTAutograd's compiled forward refuses to
+    save it (an assertion), and handing the backward an empty tensor instead crashes the process.
+    `torch.compile` fails on it the same way (with `torch._dynamo.config.allow_rnn`)."""
+    for node in module.graph.find_nodes(op="call_function", target=torch.ops.aten.mkldnn_rnn_layer.default):
+        where = node.meta.get("custom", {}).get("module") or "the model"
+        raise CaptureError(
+            f"{where}: an LSTM on a CPU traces to oneDNN's mkldnn_rnn_layer, whose compiled training step "
+            "PyTorch cannot run (its workspace is a tensor in the trace and None when it runs). Turn oneDNN "
+            "off for planning and training, `with torch.backends.mkldnn.flags(enabled=False):`, which traces "
+            "the LSTM into matrix products per time step as eager then runs it, or keep it outside the "
+            "planned module."
+        )
 
 
 # BatchNorm's ops whose outputs 1 and 2 are the batch's statistics (mean and inverse standard

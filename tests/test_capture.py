@@ -440,3 +440,29 @@ def test_module_tree_of_hugging_face_models(name: str) -> None:
     assert tree.modules == list(model.modules())
     assert tree.parameters == list(model.parameters())
     assert [id(b) for b in tree.buffers] == [id(b) for b in model.buffers()]
+
+
+def test_an_lstm_on_a_cpu_is_refused_with_what_to_do() -> None:
+    """An LSTM on a CPU traces to oneDNN's `mkldnn_rnn_layer`, whose compiled step PyTorch
+    cannot run: refused at planning, naming the module. With oneDNN off it is traced into
+    matrix products per time step, and the planned step makes eager's gradients."""
+
+    class Tagger(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = nn.LSTM(16, 16, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.rnn(x)[0].square().mean()
+
+    torch.manual_seed(0)
+    eager, x = Tagger(), torch.randn(4, 8, 16)
+    if torch.backends.mkldnn.is_available():
+        with pytest.raises(CaptureError, match=r"rnn: an LSTM on a CPU .*mkldnn.flags\(enabled=False\)"):
+            Rockmate(copy.deepcopy(eager), x, 1.0)
+    with torch.backends.mkldnn.flags(enabled=False):
+        planned = Rockmate(copy.deepcopy(eager), x, 0.95, profile="estimate")
+        eager(x).backward()
+        planned(x).backward()
+    for p, q in zip(eager.parameters(), planned.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
