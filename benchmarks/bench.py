@@ -197,13 +197,16 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
 
 
 def bench_model(name: str, size: str, ratios: list[float | str], repeats: int, solvers: list[str],
-                knobs: tuple[float, ...] = COMPILE_KNOBS, autocast: torch.dtype | None = None) -> list[Row]:
+                knobs: tuple[float, ...] = COMPILE_KNOBS, autocast: torch.dtype | None = None,
+                export: Path | None = None) -> list[Row]:
     """Every method's rows for zoo model `name` at each ratio of the predicted store-all peak
     ("min": the smallest budget a schedule is known for, MIN_BUDGET_MARGIN above it).
 
     With `autocast` (a dtype), every method's forward runs under `torch.autocast` with it, as
     mixed-precision training does, and rockplan plans under the same autocast (its graph holds
-    the casts)."""
+    the casts). With `export` (a folder), each plan is written there as a plan file
+    (`Rockmate.export`: the graph with the costs measured here, and the schedule), named
+    `{model}-{ratio}-{solver}.json`: a GPU's plans, studied on a machine without one."""
     model, args, kwargs, loss_fn = zoo.make(name, size)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -279,6 +282,9 @@ def bench_model(name: str, size: str, ratios: list[float | str], repeats: int, s
             if lean_rewrites(rk.graph):
                 row.note += " (of the lean variant of the graph, which this plan runs)"
             planned.append((row, rk))
+            if export is not None:
+                export.mkdir(parents=True, exist_ok=True)
+                rk.export(export / f"{name}-{'min' if given == 'min' else f'{ratio:.2f}'}-{solver}.json")
         fixed = []
         for method, module, measured in peers:
             fixed.append(Row(name, ratio, budget, method, minimum=given == "min"))
@@ -476,6 +482,8 @@ def main(argv: list[str] | None = None) -> None:
                              "1: a thread descheduled stalls the others at every op, and steps slow and scatter")
     parser.add_argument("--autocast", choices=["bf16", "fp16"],
                         help="every method's forward under torch.autocast with this dtype (rockplan planned under it)")
+    parser.add_argument("--export-plans", metavar="DIR",
+                        help="write each plan (graph with its measured costs, schedule) to DIR as a plan file")
     parser.add_argument("--default-heap", action="store_true",
                         help="leave glibc's malloc thresholds adaptive (see steady_cpu_heap)")
     args = parser.parse_args(argv)
@@ -506,11 +514,13 @@ def main(argv: list[str] | None = None) -> None:
                     f"{f' --threads {args.threads}' if args.threads else ''}"
                     f"{f' --autocast {args.autocast}' if args.autocast else ''}"
                     f"{' --default-heap' if args.default_heap else ''}"
+                    f"{' --export-plans ' + args.export_plans if args.export_plans else ''}"
                     f"{'' if out.resolve() == (PAGES / 'models.md').resolve() else ' --out ' + args.out}")
     rows: list[Row] = []
     for name in args.models.split(","):
         ratios = [r if r == "min" else float(r) for r in args.ratios.split(",")]
-        rows += bench_model(name, args.size, ratios, args.repeats, solvers, knobs, autocast)
+        rows += bench_model(name, args.size, ratios, args.repeats, solvers, knobs, autocast,
+                            Path(args.export_plans) if args.export_plans else None)
         # After each model: a long run keeps what it measured.
         write_page(out, "Models: measured step peak and step time", markdown(rows, device, heap), command_line)
         pareto_plot(rows, out.with_suffix(".png"))

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from rockplan.plan_file import read_plan
+from solvers import simulate
+
 ROOT = Path(__file__).resolve().parents[1]
 UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 
@@ -39,9 +42,10 @@ def test_bench_measures_every_method_that_fits_within_its_budget(tmp_path: Path)
     """benchmarks/bench.py end to end on the tiny GPT at two budgets: every row that ran has a
     measured peak within its budget and a time ratio to eager, and rockplan is compared with
     every other method timed at its budget."""
-    out = tmp_path / "bench.md"
+    out, plans = tmp_path / "bench.md", tmp_path / "plans"
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--models", "gpt", "--size", "tiny",
-                           "--ratios", "1.0,0.7", "--repeats", "2", "--solvers", "dtr,rotor", "--out", str(out)],
+                           "--ratios", "1.0,0.7", "--repeats", "2", "--solvers", "dtr,rotor", "--out", str(out),
+                           "--export-plans", str(plans)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     table, comparisons = out.read_text().split("### Where rockplan is not the fastest")[0].split(
@@ -59,6 +63,14 @@ def test_bench_measures_every_method_that_fits_within_its_budget(tmp_path: Path)
     assert any(r[2] == "torch.compile activation_memory_budget" and r[1].startswith("0.70") and r[3] != "-"
                for r in rows), out.read_text()
     assert out.with_suffix(".png").exists()  # the Pareto plot
+    # Each plan written with the costs measured there, to plan again elsewhere: its schedule
+    # simulates to the time the page predicted, within its budget.
+    written = sorted(p.name for p in plans.iterdir())
+    assert written == ["gpt-0.70-dtr.json", "gpt-0.70-rotor.json", "gpt-1.00-dtr.json", "gpt-1.00-rotor.json"]
+    read = read_plan(plans / "gpt-0.70-dtr.json")
+    simulated = simulate(read.graph, read.schedule)
+    assert simulated.peak <= read.schedule.budget
+    assert simulated.time == pytest.approx(read.schedule.predicted_time)
 
 
 def test_bench_times_the_peers_users_switch_on_for_a_hugging_face_model(tmp_path: Path) -> None:
