@@ -577,3 +577,29 @@ def test_batch_norm_where_eager_runs_a_vendors_kernels_runs_what_eager_runs(monk
     assert ops["aten._batch_norm_with_update.default"] + ops["aten._batch_norm_with_update_functional.default"] >= 6
     assert ops["aten.batch_norm_backward.default"] == 6
     assert not any("native_batch_norm" in op for op in ops)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.backends.cudnn.is_available()), reason="needs cuDNN")
+def test_batch_norm_on_a_gpu_runs_cudnns_kernels_as_eager_does() -> None:
+    """On CUDA eager runs cuDNN's BatchNorm; the planned step runs the same kernels (counted by
+    torch.profiler), with eager's loss and gradients."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model, args, kwargs, loss = zoo.make("resnet")
+    eager = zoo.WithLoss(model, loss).cuda()
+    args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
+    planned = Rockmate(copy.deepcopy(eager), (args, kwargs), 1.0, solver="store_all")
+    assert _batch_norm_ops(planned) == {"aten._batch_norm_with_update_functional.default",
+                                        "aten.batch_norm_backward.default"}
+    counts = []
+    for module in (eager, planned):
+        module(*args, **kwargs).backward()  # warm-up
+        module.zero_grad(set_to_none=True)
+        with profile(activities=[ProfilerActivity.CPU]) as run:
+            module(*args, **kwargs).backward()
+        counts.append({e.key: e.count for e in run.key_averages() if "batch_norm" in e.key})
+    assert counts[0]["aten::cudnn_batch_norm"] == counts[1]["aten::cudnn_batch_norm"] == 6
+    assert counts[0]["aten::cudnn_batch_norm_backward"] == counts[1]["aten::cudnn_batch_norm_backward"] == 6
+    for p, q in zip(eager.parameters(), planned.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
