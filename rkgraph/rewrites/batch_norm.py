@@ -4,9 +4,9 @@ Two rewrites of the captured graph, both free:
 
 - `eager_kernels`: AOTAutograd decomposes BatchNorm into ATen's own kernels
   (`_native_batch_norm_legit_functional`, `native_batch_norm_backward`), while eager PyTorch on
-  a GPU runs cuDNN's (`cudnn_batch_norm` and its backward). On an H200, the zoo ResNet at GPU
-  size spent 62.7 ms a step in ATen's BatchNorm kernels against eager's 45.0 ms in cuDNN's: a
-  plan that recomputes nothing ran 1.15x eager. `_batch_norm_with_update_functional` and
+  a GPU runs cuDNN's (`cudnn_batch_norm` and its backward), which are faster: on a convolutional
+  network the difference was the whole of a plan's gap to eager where it recomputed nothing
+  (the figures are in git's history). `_batch_norm_with_update_functional` and
   `batch_norm_backward` are the ATen ops eager's newer path calls: on CUDA they choose cuDNN
   exactly as eager does (`_select_batch_norm_backend`), and hand its reserve space from the
   forward to the backward. The graph is rewritten to them only where that choice is not
