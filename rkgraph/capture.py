@@ -86,10 +86,10 @@ def refuse_unrunnable_ops(module: fx.GraphModule) -> None:
     """Raise `CaptureError` for a traced op whose compiled step PyTorch cannot run, naming the
     module it comes from and what to do instead.
 
-    An LSTM on a CPU with oneDNN traces to `mkldnn_rnn_layer`, whose workspace output is an empty
-    tensor in the trace and None when the kernel runs: AOTAutograd's compiled forward refuses to
-    save it (an assertion), and handing the backward an empty tensor instead crashes the process.
-    `torch.compile` fails on it the same way (with `torch._dynamo.config.allow_rnn`)."""
+    `mkldnn_rnn_layer` (an LSTM on a CPU with oneDNN; tracing avoids it, `differentiable_lstm`,
+    and this names it should a trace hold it still): its workspace output is an empty tensor in
+    the trace and None when the kernel runs, so AOTAutograd's compiled forward refuses to save it
+    (an assertion), and handing the backward an empty tensor instead crashes the process."""
     for node in module.graph.find_nodes(op="call_function", target=torch.ops.aten.mkldnn_rnn_layer.default):
         where = node.meta.get("custom", {}).get("module") or "the model"
         raise CaptureError(
@@ -549,6 +549,7 @@ def trace(
         _collections_spared(),
         preserved_rng(),  # ops with no tensor inputs run for real in the fake forward, draws included
         _native_kernels() if native_kernels else contextlib.nullcontext(),
+        differentiable_lstm(),
         _side_effects_kept(),
         hooks_as_calls(model, flat.hooks),  # before the annotations' own hooks are added
         _module_path_annotations(model),
@@ -718,6 +719,37 @@ def _native_kernels():
     saved = {op: {k: op.py_kernels.pop(k) for k in _DECOMPOSING_KEYS if k in op.py_kernels} for op in _KEEP_NATIVE}
     for op in _KEEP_NATIVE:
         op._dispatch_cache.clear()  # the Python dispatcher caches the kernel resolved per key
+    try:
+        yield
+    finally:
+        for op, kernels in saved.items():
+            op.py_kernels.update(kernels)
+            op._dispatch_cache.clear()
+
+
+# The LSTM decompositions: on a CPU with oneDNN they choose `mkldnn_rnn_layer` whenever the
+# LSTM's input does not require grad, even where its parameters do. That op's workspace is an
+# empty tensor in the trace and None when the kernel runs, which AOTAutograd's compiled step
+# cannot save for the backward (PyTorch's fix, #185902, gates that path on every tensor).
+_LSTMS = (torch.ops.aten.lstm.input, torch.ops.aten.lstm.data)
+
+
+@contextlib.contextmanager
+def differentiable_lstm():
+    """While tracing, an LSTM is decomposed into its differentiable per-time-step ops, never
+    into `mkldnn_rnn_layer` (`_LSTMS`): oneDNN is off inside the decomposition, where it only
+    chooses the path (the ops it records run later with the flag as the user set it)."""
+
+    def without_onednn(decomposition: Callable) -> Callable:
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            with torch.backends.mkldnn.flags(enabled=False):
+                return decomposition(*args, **kwargs)
+        return traced
+
+    saved = {op: {k: op.py_kernels[k] for k in _DECOMPOSING_KEYS if k in op.py_kernels} for op in _LSTMS}
+    for op, kernels in saved.items():
+        op.py_kernels.update({k: without_onednn(kernel) for k, kernel in kernels.items()})
+        op._dispatch_cache.clear()
     try:
         yield
     finally:

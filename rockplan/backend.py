@@ -103,7 +103,7 @@ from torch import fx, nn
 from torch._dynamo.backends.common import aot_autograd
 from torch.fx.experimental.symbolic_shapes import free_symbols
 
-from rkgraph.capture import CaptureError, JointGraph, _native_kernels, is_tangent
+from rkgraph.capture import CaptureError, JointGraph, _native_kernels, differentiable_lstm, is_tangent
 from rkgraph.graph import RematGraph
 from rkgraph.rewrites import apply_rewrites
 from rkgraph.units import format_bytes
@@ -288,7 +288,7 @@ class Backend:
             backward._boxed_call = True  # type: ignore[attr-defined]
             return backward
 
-        with _native_kernels():
+        with _native_kernels(), differentiable_lstm():
             return aot_autograd(fw_compiler=compile_generated, bw_compiler=compile_backward,
                                 partition_fn=partition)(gm, inputs)
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import operator
+import sys
 
 import pytest
 import torch
@@ -442,27 +444,32 @@ def test_module_tree_of_hugging_face_models(name: str) -> None:
     assert [id(b) for b in tree.buffers] == [id(b) for b in model.buffers()]
 
 
-def test_an_lstm_on_a_cpu_is_refused_with_what_to_do() -> None:
-    """An LSTM on a CPU traces to oneDNN's `mkldnn_rnn_layer`, whose compiled step PyTorch
-    cannot run: refused at planning, naming the module. With oneDNN off it is traced into
-    matrix products per time step, and the planned step makes eager's gradients."""
+def test_an_lstm_on_its_models_input_plans_and_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An LSTM reading the model's input (which requires no grad) is traced into its
+    differentiable per-time-step ops, not oneDNN's `mkldnn_rnn_layer`, whose compiled step
+    PyTorch cannot run: the planned step makes eager's gradients (its bits with oneDNN off, where
+    eager runs the same ops). A trace that still held that op is refused, naming the module."""
 
     class Tagger(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.rnn = nn.LSTM(16, 16, batch_first=True)
+            self.rnn = nn.LSTM(16, 16, batch_first=True, num_layers=2)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.rnn(x)[0].square().mean()
 
     torch.manual_seed(0)
-    eager, x = Tagger(), torch.randn(4, 8, 16)
+    model, x = Tagger(), torch.randn(4, 8, 16)
+    for onednn in (True, False):
+        eager = copy.deepcopy(model)
+        with torch.backends.mkldnn.flags(enabled=onednn):
+            planned = Rockmate(copy.deepcopy(model), x, 0.95, profile="estimate")
+            assert not any("mkldnn" in n.op for n in planned.graph.nodes)
+            eager(x).backward()
+            planned(x).backward()
+        for p, q in zip(eager.parameters(), planned.parameters(), strict=True):
+            torch.testing.assert_close(q.grad, p.grad, **({} if onednn else {"rtol": 0, "atol": 0}))
     if torch.backends.mkldnn.is_available():
+        monkeypatch.setattr(sys.modules["rkgraph.capture"], "differentiable_lstm", contextlib.nullcontext)
         with pytest.raises(CaptureError, match=r"rnn: an LSTM on a CPU .*mkldnn.flags\(enabled=False\)"):
-            Rockmate(copy.deepcopy(eager), x, 1.0)
-    with torch.backends.mkldnn.flags(enabled=False):
-        planned = Rockmate(copy.deepcopy(eager), x, 0.95, profile="estimate")
-        eager(x).backward()
-        planned(x).backward()
-    for p, q in zip(eager.parameters(), planned.parameters(), strict=True):
-        assert torch.equal(p.grad, q.grad)
+            Rockmate(copy.deepcopy(model), x, 1.0)
