@@ -93,6 +93,7 @@ import functools
 import hashlib
 import logging
 import math
+import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -101,6 +102,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch._dynamo.backends.common import aot_autograd
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.fx.experimental.symbolic_shapes import free_symbols
 
 from rkgraph.capture import CaptureError, JointGraph, _native_kernels, differentiable_lstm, is_tangent
@@ -786,10 +788,42 @@ def explain_graph_failure(gm: fx.GraphModule, error: Exception) -> str:
     op = getattr(error, "func", None)
     what = str(op) if op is not None else (str(error).strip().splitlines() or [type(error).__name__])[0]
     where = _user_line(str(error))
+    if isinstance(error, (DataDependentOutputException, DynamicOutputShapeException)):
+        if where == "unknown location":
+            where = _value_shaped_line(gm) or where
+        return (f"cannot plan a graph of the step: {what} makes a tensor whose shape depends on the values of "
+                f"its input (a boolean mask's indexing or masked_select, nonzero)\n  at {where}\n"
+                "No plan can size its output before the step runs. Compute that part outside the planned "
+                "module (a loss, say: call the model without its labels and compute the loss from its "
+                "outputs), or write it without a value-dependent shape (torch.where with a fixed shape).")
     return (f"cannot plan a graph of the step: {type(error).__name__}: {what}\n  at {where}\n"
             "AOTAutograd traces each graph on fake tensors: an op needs a fake (meta) implementation. For an "
             "op of your own or a library's, register one (torch.library.register_fake), or wrap the call in "
             "torch.compiler.disable so that Dynamo leaves it out of the graph.")
+
+
+# Calls whose output shape can depend on the values of their inputs, as Dynamo records them
+# (functions, and methods by name); indexing with a boolean mask is the other way.
+_VALUE_SHAPED = frozenset({torch.nonzero, torch.masked_select, torch.argwhere, torch.unique,
+                           "nonzero", "masked_select", "argwhere", "unique"})
+_INDEXING = frozenset({operator.getitem, operator.setitem, "__getitem__", "__setitem__"})
+
+
+def _value_shaped_line(gm: fx.GraphModule) -> str | None:
+    """The user's line of the first call in Dynamo's graph `gm` whose output shape can depend on
+    values (`_VALUE_SHAPED`, or indexing with a boolean mask). Such a failure may come while the
+    backward is traced, far from any frame of the user's code."""
+    def boolean_mask(arg: object) -> bool:
+        value = arg.meta.get("example_value") if isinstance(arg, fx.Node) else None
+        return isinstance(value, torch.Tensor) and value.dtype == torch.bool
+
+    for node in (n for n in gm.graph.nodes if n.op in ("call_function", "call_method")):
+        index = node.args[1] if node.target in _INDEXING and len(node.args) > 1 else None
+        masks = index if isinstance(index, (tuple, list)) else (index,)
+        if node.target in _VALUE_SHAPED or any(boolean_mask(m) for m in masks):
+            trace = [line.strip() for line in (node.meta.get("stack_trace") or "").splitlines() if line.strip()]
+            return " ".join(trace[-2:]) if trace else f"{node.name} ({node.target})"
+    return None
 
 
 def _user_line(message: str) -> str:

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from rkgraph.capture import CaptureError
 from rockplan import Rockmate, zoo
 from rockplan.budget import budget_bytes, parse_budget
 from solvers import InfeasibleBudget
@@ -268,3 +269,25 @@ def test_tensors_added_to_a_module_container_are_refused_naming_it() -> None:
     with pytest.raises(RuntimeError, match=r"adds tensors to losses \(a list\) in place.*Return the tensor"):
         Rockmate(model, torch.randn(256, 32), profile="estimate")
     assert model.losses == [] and all(block.aux_loss is None for block in model.blocks)
+
+
+def test_a_value_dependent_shape_in_a_graph_is_refused_naming_the_line() -> None:
+    """Writing a tensor into a boolean mask's positions is one graph to Dynamo, but its backward
+    gathers by the mask (nonzero): no plan can size that before the step. The refusal says so
+    and names the user's line, not a missing fake implementation at an unknown location."""
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.fill = nn.Linear(8, 8), nn.Parameter(torch.zeros(8))
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            h[mask] = self.fill
+            return h.square().mean()
+
+    x, mask = torch.randn(4, 8), torch.tensor([True, False, True, False])
+    with pytest.raises(CaptureError, match=r"(?s)shape depends on the values of its input.*h\[mask\] = self\.fill"
+                                           r".*outside the planned module") as refused:
+        Rockmate(Masked(), (x, mask), 1.0)(x, mask)  # the graph break path plans in the first step
+    assert "fake (meta) implementation" not in str(refused.value)
