@@ -709,15 +709,20 @@ _DECOMPOSING_KEYS = (torch._C.DispatchKey.Autograd, torch._C.DispatchKey.Composi
 
 
 @contextlib.contextmanager
-def _native_kernels():
-    """Hide the Python decompositions of `_KEEP_NATIVE` while tracing; restored on exit.
-
-    The same save/override/restore of `py_kernels` as torch.export's
-    `_override_composite_implicit_decomp`. The `.vec` overload then goes through its C++
-    composite, which calls the `.default` kernel and records its native backward.
-    """
-    saved = {op: {k: op.py_kernels.pop(k) for k in _DECOMPOSING_KEYS if k in op.py_kernels} for op in _KEEP_NATIVE}
-    for op in _KEEP_NATIVE:
+def _python_kernels_replaced(ops: Iterable[torch._ops.OpOverload],
+                             replacement: Callable[[Callable], Callable | None]):
+    """While the block runs, each Python kernel torch._decomp registers for `ops` at the Autograd
+    and CompositeImplicitAutograd keys is `replacement(kernel)`, or is removed where that is None
+    (the op's C++ kernel then runs); restored on exit, also on an error. The same
+    save/override/restore of `py_kernels` as torch.export's `_override_composite_implicit_decomp`."""
+    saved = {op: {k: op.py_kernels[k] for k in _DECOMPOSING_KEYS if k in op.py_kernels} for op in ops}
+    for op, kernels in saved.items():
+        for key, kernel in kernels.items():
+            replaced = replacement(kernel)
+            if replaced is None:
+                del op.py_kernels[key]
+            else:
+                op.py_kernels[key] = replaced
         op._dispatch_cache.clear()  # the Python dispatcher caches the kernel resolved per key
     try:
         yield
@@ -727,6 +732,13 @@ def _native_kernels():
             op._dispatch_cache.clear()
 
 
+def _native_kernels() -> contextlib.AbstractContextManager[None]:
+    """Hide the Python decompositions of `_KEEP_NATIVE` while tracing. The `.vec` overload then
+    goes through its C++ composite, which calls the `.default` kernel and records its native
+    backward."""
+    return _python_kernels_replaced(_KEEP_NATIVE, lambda _kernel: None)
+
+
 # The LSTM decompositions: on a CPU with oneDNN they choose `mkldnn_rnn_layer` whenever the
 # LSTM's input does not require grad, even where its parameters do. That op's workspace is an
 # empty tensor in the trace and None when the kernel runs, which AOTAutograd's compiled step
@@ -734,8 +746,7 @@ def _native_kernels():
 _LSTMS = (torch.ops.aten.lstm.input, torch.ops.aten.lstm.data)
 
 
-@contextlib.contextmanager
-def differentiable_lstm():
+def differentiable_lstm() -> contextlib.AbstractContextManager[None]:
     """While tracing, an LSTM is decomposed into its differentiable per-time-step ops, never
     into `mkldnn_rnn_layer` (`_LSTMS`): oneDNN is off inside the decomposition, where it only
     chooses the path (the ops it records run later with the flag as the user set it)."""
@@ -746,16 +757,7 @@ def differentiable_lstm():
                 return decomposition(*args, **kwargs)
         return traced
 
-    saved = {op: {k: op.py_kernels[k] for k in _DECOMPOSING_KEYS if k in op.py_kernels} for op in _LSTMS}
-    for op, kernels in saved.items():
-        op.py_kernels.update({k: without_onednn(kernel) for k, kernel in kernels.items()})
-        op._dispatch_cache.clear()
-    try:
-        yield
-    finally:
-        for op, kernels in saved.items():
-            op.py_kernels.update(kernels)
-            op._dispatch_cache.clear()
+    return _python_kernels_replaced(_LSTMS, without_onednn)
 
 
 @contextlib.contextmanager
