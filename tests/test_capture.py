@@ -266,10 +266,11 @@ def test_interpolation_keeps_its_aten_kernels_and_eagers_bits(mode: str, dims: i
 
 
 def test_decompositions_hidden_while_capturing_are_registered_again() -> None:
-    """The Python decompositions capture hides are registered again afterwards, also when
-    capture fails."""
+    """The Python decompositions capture hides or wraps are registered again afterwards, also
+    when capture fails."""
     aten = torch.ops.aten
-    registered = {op: dict(op.py_kernels) for op in (aten.upsample_bilinear2d.vec, aten.upsample_bilinear2d.default)}
+    registered = {op: dict(op.py_kernels)
+                  for op in (aten.upsample_bilinear2d.vec, aten.upsample_bilinear2d.default, aten.lstm.input)}
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Upsample(scale_factor=2, mode="bilinear"))
     rkgraph.capture(model, torch.randn(2, 3, 8, 8))
     assert {op: dict(op.py_kernels) for op in registered} == registered
