@@ -853,6 +853,7 @@ class GraphBreaks:
         self.backend = Backend(budget, parameters=model.parameters(), options=replace(options, profile=profile),
                                plan_cache=plan_cache)
         self.compiled = torch.compile(model, backend=self.backend, dynamic=False)
+        self.why = why
         log.info("%s is not one graph (%s): planning each graph Dynamo captures", options.name,
                  str(why).splitlines()[0])
 
@@ -867,6 +868,16 @@ class GraphBreaks:
             return self.compiled(*args, **kwargs)
         except BackendCompilerFailed as e:
             cause = e.inner_exception
-            if isinstance(cause, (InfeasibleBudget, CaptureError)):
+            if isinstance(cause, CaptureError):
+                raise self._with_why(cause) from None
+            if isinstance(cause, InfeasibleBudget):
                 raise cause from None
             raise
+        except CaptureError as e:
+            raise self._with_why(e) from None
+
+    def _with_why(self, error: CaptureError) -> CaptureError:
+        """`error` with where the step stopped being one graph: often the very branch Dynamo could
+        not keep in a graph either (a branch on a tensor in a loop over layers)."""
+        first = [line.strip() for line in str(self.why).splitlines()[:2]]
+        return CaptureError(f"{error}\nTraced as one graph first, the step stopped here: " + "\n  ".join(first))

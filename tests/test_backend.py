@@ -520,3 +520,13 @@ def test_a_break_inside_a_loop_is_refused_naming_the_loop() -> None:
         _step(compiled, torch.randn(32, 64))
     message = str(failure.value.inner_exception)
     assert "Mul" in message and "before the first graph" in message and "graph break in loop" in message
+
+
+def test_rockmate_refusing_a_break_inside_a_loop_names_the_branch() -> None:
+    """Through `Rockmate` (the model is not one graph, so Dynamo splits it), the refusal of a
+    break inside a loop also says where the one-graph capture stopped: the branch itself."""
+    model = _BranchInLoopBlock()
+    x = torch.randn(32, 64)
+    with pytest.raises(CaptureError, match=r"(?s)graph break in loop.*Traced as one graph first, the step stopped "
+                                           r"here: .*return h \* 2 if h\.sum\(\) > 0 else h"):
+        Rockmate(model, x, 10**9)(x)
