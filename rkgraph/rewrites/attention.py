@@ -99,7 +99,7 @@ def attention_backward(grad: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, v:
     """The gradients of `attention`'s q, kt and v for its output's gradient `grad`, each
     chunk's probabilities made again."""
     bias4 = _bias4(q, kt, bias, heads)
-    grad_q, grad_kt, grad_v = torch.empty_like(q), torch.empty_like(kt), torch.empty_like(v)
+    grad_q, grad_kt, grad_v = _products_like(q, kt, v)
     for b, h0, h1 in _chunks(q, kt, heads):
         rows, probs, dropped = _probabilities(q, kt, bias4, mask, scale, safe, b, h0, h1, heads)
         torch.bmm(dropped.transpose(1, 2), grad[rows], out=grad_v[rows])
@@ -116,7 +116,15 @@ def attention_backward(grad: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, v:
 
 @attention_backward.register_fake
 def _(grad, q, kt, v, bias, mask, scale, heads, safe):
-    return torch.empty_like(q), torch.empty_like(kt), torch.empty_like(v)
+    return _products_like(q, kt, v)
+
+
+def _products_like(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A contiguous tensor of each one's shape, dtype and device: the layout of the batched
+    products whose results the op's gradients replace (`bmm` makes contiguous outputs), which
+    the graph's later views of them were traced on. `empty_like` would keep an input's strides:
+    the gradient of a transposed `kt` came out transposed, and a view of it failed (T5)."""
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors)
 
 
 @register_flop_formula(torch.ops.rkgraph.attention)
@@ -257,7 +265,8 @@ def _fuse(graph: fx.Graph, sm: fx.Node) -> bool:
     first = min((grad_probs, grad_v, t_probs), key=order.__getitem__)
     with graph.inserting_before(first):
         backward = call(graph, torch.ops.rkgraph.attention_backward.default, (grad, *op_args), {}, grad_v.meta)
-        items = [call(graph, operator.getitem, (backward, i), {}, grad_v.meta) for i in range(3)]
+        items = [call(graph, operator.getitem, (backward, i), {}, old.meta)
+                 for i, old in enumerate((grad_q, grad_kt, grad_v))]
     for old, new in zip((grad_q, grad_kt, grad_v), items):
         old.replace_all_uses_with(new)
     dead = [grad_q, grad_kt, *grad_q.args, *grad_kt.args, grad_scores, softmax_backward, grad_v, t_probs,
