@@ -34,6 +34,7 @@ from torch import fx
 from torch._functorch.aot_autograd import aot_function, make_boxed_compiler, make_boxed_func
 from torch._functorch.partitioners import default_partition
 from torch._subclasses import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.func import functional_call
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
@@ -80,6 +81,7 @@ class JointGraph:
         refuse_unrunnable_ops(self.module)
         drop_profiler_ranges(self.module)
         float_batch_norm_statistics(self.module)
+        losses_in_their_buffers(self.module)
 
 
 def refuse_unrunnable_ops(module: fx.GraphModule) -> None:
@@ -135,6 +137,51 @@ def float_batch_norm_statistics(module: fx.GraphModule) -> int:
             if user.target is operator.getitem and user.args[1] in (1, 2):
                 user.meta["val"] = fixed[user.args[1]]
         corrected += 1
+    return corrected
+
+
+# Losses whose kernels may reduce into their unreduced buffer and return the reduced value as a
+# view of it (on CPU, torch 2.13: a 0-dim tensor over all of the input's elements), where the
+# meta function, which the trace records, returns a tensor of its own.
+_LOSSES = frozenset({
+    torch.ops.aten.mse_loss.default,
+    torch.ops.aten.smooth_l1_loss.default,
+    torch.ops.aten.binary_cross_entropy.default,
+    torch.ops.aten.soft_margin_loss.default,
+})
+
+
+@functools.cache
+def _reduces_in_its_buffer(op: torch._ops.OpOverload, arguments: tuple, device: torch.device,
+                           dtype: torch.dtype) -> bool:
+    """Whether `op`'s kernel on `device`, called with `arguments` (its non-tensor arguments, None
+    for each tensor), returns a reduced loss whose storage is its input's size: probed once on a
+    small input."""
+    with unset_fake_temporarily():
+        small = [torch.rand(2, 3, device=device, dtype=dtype) if a is None else a for a in arguments]
+        out = op(*small)
+    return out.untyped_storage().nbytes() > out.numel() * out.element_size()
+
+
+def losses_in_their_buffers(module: fx.GraphModule) -> int:
+    """Give each reduced loss of `_LOSSES` whose kernel returns it inside its unreduced buffer
+    the storage the kernel makes: node sizes come from the trace's records, and such a loss
+    output, kept for the whole step, would be counted at a few bytes and hold its input's size
+    (a diffusion U-Net's step measured over its budget by its MSE loss). Returns how many."""
+    corrected = 0
+    for node in module.graph.nodes:
+        val = node.meta.get("val")
+        first = node.args[0] if node.args else None
+        if (node.op != "call_function" or node.target not in _LOSSES or not isinstance(val, torch.Tensor)
+                or val.dim() != 0 or not isinstance(first, fx.Node) or node.kwargs):
+            continue
+        tensors = [a if isinstance(a, fx.Node) else None for a in node.args]
+        if any(a is not None and not isinstance(a.meta.get("val"), torch.Tensor) for a in tensors):
+            continue
+        arguments = tuple(None if isinstance(a, fx.Node) else a for a in node.args)
+        if _reduces_in_its_buffer(node.target, arguments, val.device, val.dtype):
+            node.meta["val"] = val.new_empty(first.meta["val"].shape).as_strided((), ())
+            corrected += 1
     return corrected
 
 

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 from rkgraph import RematGraph
@@ -683,3 +684,29 @@ def test_a_replayed_random_op_takes_its_own_device_keyword() -> None:
     again = replay(state, torch.device("cpu"), torch.ops.aten.rand.default, [2, 3], dtype=torch.float32,
                    device=torch.device("cpu"), pin_memory=False)
     assert torch.equal(again, drawn)
+
+
+@pytest.mark.parametrize("loss", ["mse", "smooth_l1", "bce", "soft_margin"])
+def test_a_loss_kept_in_its_unreduced_buffer_is_counted(loss: str) -> None:
+    """Some losses' CPU kernels reduce into their unreduced buffer and return the loss as a
+    view of it; the trace records a tensor of its own. The plan counts the buffer the kernel
+    keeps (for the whole step: the loss is the step's output), so the step at its store-all
+    budget measures what was predicted, to the byte."""
+    functions = {"mse": F.mse_loss, "smooth_l1": F.smooth_l1_loss, "soft_margin": F.soft_margin_loss,
+                 "bce": lambda out, target: F.binary_cross_entropy(torch.sigmoid(out), target)}
+
+    class Regressor(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(64, 256)
+
+        def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return functions[loss](self.lin(x), target)
+
+    torch.manual_seed(0)
+    x, target = torch.randn(32, 64), torch.rand(32, 256)
+    rk = Rockmate(Regressor(), (x, target), 1.0, solver="store_all", profile="estimate")
+    rk(x, target).backward()  # warm-up
+    rk.zero_grad(set_to_none=True)
+    measured = measure_step(lambda: rk(x, target).backward(), method="profiler").peak
+    assert measured == rk.schedule.predicted_peak <= rk.budget
