@@ -151,14 +151,16 @@ _LOSSES = frozenset({
 })
 
 
+_A_TENSOR = object()  # in `_reduces_in_its_buffer`'s arguments, where the call passes a tensor
+
+
 @functools.cache
 def _reduces_in_its_buffer(op: torch._ops.OpOverload, arguments: tuple, device: torch.device,
                            dtype: torch.dtype) -> bool:
-    """Whether `op`'s kernel on `device`, called with `arguments` (its non-tensor arguments, None
-    for each tensor), returns a reduced loss whose storage is its input's size: probed once on a
-    small input."""
+    """Whether `op`'s kernel on `device`, called with `arguments` (`_A_TENSOR` for each tensor),
+    returns a reduced loss whose storage is its input's size: probed once on a small input."""
     with unset_fake_temporarily():
-        small = [torch.rand(2, 3, device=device, dtype=dtype) if a is None else a for a in arguments]
+        small = [torch.rand(2, 3, device=device, dtype=dtype) if a is _A_TENSOR else a for a in arguments]
         try:
             out = op(*small)
         except (RuntimeError, NotImplementedError):  # no kernel for this dtype or device: the step fails there
@@ -178,10 +180,9 @@ def losses_in_their_buffers(module: fx.GraphModule) -> int:
         if (node.op != "call_function" or node.target not in _LOSSES or not isinstance(val, torch.Tensor)
                 or val.dim() != 0 or not isinstance(first, fx.Node) or node.kwargs):
             continue
-        tensors = [a if isinstance(a, fx.Node) else None for a in node.args]
-        if any(a is not None and not isinstance(a.meta.get("val"), torch.Tensor) for a in tensors):
+        if any(isinstance(a, fx.Node) and not isinstance(a.meta.get("val"), torch.Tensor) for a in node.args):
             continue
-        arguments = tuple(None if isinstance(a, fx.Node) else a for a in node.args)
+        arguments = tuple(_A_TENSOR if isinstance(a, fx.Node) else a for a in node.args)
         if _reduces_in_its_buffer(node.target, arguments, val.device, val.dtype):
             node.meta["val"] = val.new_empty(first.meta["val"].shape).as_strided((), ())
             corrected += 1
