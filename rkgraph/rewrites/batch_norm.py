@@ -24,7 +24,6 @@ Two rewrites of the captured graph, both free:
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
 
 import torch
 from torch import fx
@@ -71,20 +70,18 @@ def eager_reserve_bytes(node: fx.Node) -> int | None:
     return None
 
 
-def eager_kernels(gm: fx.GraphModule, reserve_bytes: Callable[[fx.Node], int | None] | None = None) -> int:
+def eager_kernels(gm: fx.GraphModule) -> int:
     """Rewrite each training-mode `_native_batch_norm_legit_functional` of `gm`'s graph for
-    which `reserve_bytes` gives a size, and the backwards reading its statistics, to
-    `_batch_norm_with_update_functional` and `batch_norm_backward`, which hand the forward's
-    reserve space (that many bytes) to the backward. The caller recompiles; returns how many
-    BatchNorms changed. `reserve_bytes` is by default eager's choice of kernel
-    (`eager_reserve_bytes`)."""
-    reserve_bytes = reserve_bytes or eager_reserve_bytes
+    which eager runs another kernel (`eager_reserve_bytes` gives a size), and the backwards
+    reading its statistics, to `_batch_norm_with_update_functional` and `batch_norm_backward`,
+    which hand the forward's reserve space (that many bytes) to the backward. The caller
+    recompiles; returns how many BatchNorms changed."""
     graph = gm.graph
     count = 0
     for old in list(graph.find_nodes(op="call_function", target=aten._native_batch_norm_legit_functional.default)):
         if not all(user.target is operator.getitem for user in old.users):
             continue
-        size = reserve_bytes(old)
+        size = eager_reserve_bytes(old)
         if size is None:
             continue
         out, save_mean, save_invstd, new_mean, new_var = old.meta["val"]
