@@ -29,8 +29,7 @@ from solvers.rockmate import block_options, chain_schedules
 from solvers.simulate import schedule_from_computes
 from tests.graph_factories import random_training_graph, training_graph
 
-# The same examples on every run (derandomize): a property test must not fail by the draw on CI.
-FAST = settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def blocked_chain(sizes: list[int], times: list[float], block_size: int, **kw: object) -> RematGraph:

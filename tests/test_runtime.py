@@ -30,9 +30,13 @@ SOLVER_OPTIONS = {"time_limit": 10}
 # loss outside: a gap in the search, issue 27's planning half. On hf_bert at 0.5 DTR runs out of
 # evictable values while recomputing an attention's scores late in the backward, the
 # minimum-memory family peaks above the budget and the flat MILP finds no schedule in minutes;
-# the lean variant is below its own in-order floor. Expected to fail that way only; any other
-# refusal, or a plan, is tested as usual.
-SEARCH_GAPS = {("hf_bert", 0.5)}
+# the lean variant is below its own in-order floor. The zoo ResNet at 0.5 depends on the CPU:
+# its budget is of a peak that holds oneDNN's convolution scratch, measured on the machine. On
+# an Intel Xeon the portfolio plans it; on an AMD EPYC 0.5 (377,780 B) falls between the
+# in-order floor (363,048 B) and the least peak of a known schedule (428,648 B), and neither
+# the portfolio nor the flat MILP in 600 s finds a schedule there. Expected to fail that way
+# only; any other refusal, or a plan, is tested as usual.
+SEARCH_GAPS = {("hf_bert", 0.5), ("resnet", 0.5)}
 
 
 def _step(model: torch.nn.Module, args: tuple, kwargs: dict, seed: int = 1) -> object:
