@@ -58,6 +58,9 @@ REPAIR_SHARE = 0.5
 # backward order the portfolio tries, found nothing on the Hugging Face models at tight budgets.
 PATIENCE_SHARE = 0.25
 PATIENCE_MIN = 0.5  # seconds
+# Of the time limit, at most, for DTR's run that seeds the search when no seeds are given (DTR
+# can thrash near its floor, `solve_dtr`).
+DTR_SEED_SHARE = 0.5
 # Drops the undo phase tries to undo together first (`_undo_unneeded`).
 UNDO_GROUP = 8
 # With `perturb`, once every start has stalled: drops ruled out together in each kick (at most).
@@ -494,7 +497,7 @@ def solve_peak_shaving(graph: RematGraph, budget: int, time_limit: float = 2.0, 
     family = _Family(graph, budget)
     if seeds is None:
         try:
-            seeds = [solve_dtr(graph, budget)]
+            seeds = [solve_dtr(graph, budget, time_limit=DTR_SEED_SHARE * time_limit)]
         except InfeasibleBudget:
             seeds = []
     built = [family.build(drops)

@@ -61,6 +61,11 @@ from solvers.simulate import InfeasibleBudget, InvalidSchedule, schedule_from_co
 
 DTR_HEURISTICS = ("dtr", "next_use", "size")
 QUICK_SEARCHES = ("dtr", "saved_values")  # by schedule's solver: a fraction of a second on most graphs
+# Each DTR run's time limit: this share of the heuristics' time, at least DTR_MIN_LOOK seconds.
+# Near its floor DTR can thrash for minutes (`solve_dtr`), while the runs that find a schedule
+# take a fraction of a second (a few hundred ms on graphs of thousands of nodes).
+DTR_SHARE = 0.15
+DTR_MIN_LOOK = 1.0  # seconds
 SUM_ROUNDING = 1e-9  # relative: far above a sum's rounding, far below any difference a choice turns on
 SAVED_VALUES_LOOK = 0.5  # seconds, for the saved-values MILP where DTR already meets the floor
 SHAVING_SHARE = 0.85  # of the time left after DTR: peak shaving (six starts), then greedy checkpoints
@@ -100,6 +105,7 @@ def heuristic_candidates(graph: RematGraph, budget: int, time_limit: float,
     On some graphs, shaving the schedule that checkpoints every block reaches the proven floor
     where shaving DTR's, a far faster start, stops above it."""
     deadline = time.perf_counter() + time_limit
+    dtr_limit = max(DTR_MIN_LOOK, DTR_SHARE * time_limit)
     found = []
 
     def attempt(solve, *args, **options) -> bool:
@@ -117,9 +123,9 @@ def heuristic_candidates(graph: RematGraph, budget: int, time_limit: float,
         # (`to_beat`) the quick searches probe whether that order is faster, and its schedule,
         # many times slower than the others' (16x on hf_llama at 0.35), never is.
         if heuristic != "size" or to_beat == math.inf:
-            attempt(solve_dtr, heuristic=heuristic)
+            attempt(solve_dtr, heuristic=heuristic, time_limit=dtr_limit)
     if any(node.rng for node in graph.nodes):
-        attempt(solve_dtr, heuristic="dtr", keep_drawn=True)
+        attempt(solve_dtr, heuristic="dtr", keep_drawn=True, time_limit=dtr_limit)
     # What the forward saves, chosen by a small MILP: its attempts that overshoot are starts
     # for peak shaving, the one that fits (the last, if any) a candidate. Where DTR's schedule
     # is already within the gap of the floor, only a short look: its MILP is solved in a tenth

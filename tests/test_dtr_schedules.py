@@ -18,6 +18,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rkgraph.graph import RematGraph  # noqa: E402
@@ -115,3 +117,26 @@ def test_dtr_runs_on_chains_longer_than_the_recursion_limit() -> None:
     graph = chain_graph(3 * sys.getrecursionlimit())
     schedule = solve_dtr(graph, int(0.3 * solve_store_all(graph).predicted_peak))
     assert schedule.predicted_time > sum(node.time for node in graph.nodes)  # it recomputed
+
+
+def test_dtr_gives_up_at_its_time_limit_and_the_portfolio_gives_each_run_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Near its floor DTR can thrash for minutes (evicting what it must recompute soon); with a
+    time limit it stops with InfeasibleBudget, which the portfolio takes as no schedule, and
+    the portfolio limits every DTR run it makes."""
+    from solvers import portfolio
+
+    graph = chain_graph(50)
+    budget = int(0.3 * solve_store_all(graph).predicted_peak)
+    assert solve_dtr(graph, budget, time_limit=None).predicted_peak <= budget
+    with pytest.raises(InfeasibleBudget, match="time limit"):
+        solve_dtr(graph, budget, time_limit=0.0)
+    limits: list[float | None] = []
+
+    def spied(*args: object, time_limit: float | None = None, **kwargs: object) -> object:
+        limits.append(time_limit)
+        return solve_dtr(*args, time_limit=time_limit, **kwargs)
+
+    monkeypatch.setattr(portfolio, "solve_dtr", spied)
+    portfolio.heuristic_candidates(graph, budget, time_limit=2.0)
+    assert limits and all(limit is not None and limit <= portfolio.DTR_MIN_LOOK for limit in limits)
