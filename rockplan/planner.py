@@ -487,7 +487,9 @@ def _refusal(graph: RematGraph, budget: int, options: PlanOptions, seconds: floa
     known = (f"a schedule is known from {bounds.upper} bytes ({format_bytes(bounds.upper)}), and none can peak "
              f"below {bounds.lower} bytes ({format_bytes(bounds.lower)}){bounds.describe_in_order()}")
     parameter = inspect.signature(RUNTIME_SOLVERS[options.solver]).parameters.get("time_limit")
-    if parameter is None:
+    # A solver without a time limit (DTR's is None unless given): its search ended, not its time.
+    limit = None if parameter is None else options.solver_options.get("time_limit", parameter.default)
+    if limit is None:
         return OutOfTime(f"solver {options.solver!r} found no schedule within {budget} bytes ({format_bytes(budget)}), "
                          f"but its search does not cover every schedule: {known}. Use the default solver "
                          f"{DEFAULT_SOLVER!r}, or a budget of at least {bounds.upper} bytes")
@@ -495,7 +497,6 @@ def _refusal(graph: RematGraph, budget: int, options: PlanOptions, seconds: floa
         return OutOfTime(f"solver {options.solver!r} found no schedule within {budget} bytes ({format_bytes(budget)}), "
                          f"below what schedules in autograd's order and plans of the chain of blocks can reach: "
                          f"{known}. Use a budget of at least {bounds.upper} bytes")
-    limit = options.solver_options.get("time_limit", parameter.default)
     if seconds < limit:  # its searches ended before its time did: more of it is not what they lacked
         return OutOfTime(f"solver {options.solver!r} stopped after {seconds:.1f} s, before its time limit "
                          f"({limit:g} s), without a schedule within {budget} bytes ({format_bytes(budget)}): its "

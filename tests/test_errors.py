@@ -291,3 +291,18 @@ def test_a_value_dependent_shape_in_a_graph_is_refused_naming_the_line() -> None
                                            r".*outside the planned module") as refused:
         Rockmate(Masked(), (x, mask), 1.0)(x, mask)  # the graph break path plans in the first step
     assert "fake (meta) implementation" not in str(refused.value)
+
+
+def test_dtr_refusing_a_budget_above_the_floor_says_what_it_ran_out_of() -> None:
+    """DTR has a time limit only when given one: without, its refusal says its search does not
+    cover every schedule; with one that runs out, how to give it more time."""
+    from rockplan.planner import OutOfTime
+    from solvers import budget_bounds
+
+    model, args, kwargs, _ = zoo.make("resnet", "tiny")
+    # The least budget a search in autograd's order may reach: DTR's run does not.
+    floor = budget_bounds(Rockmate(model, (args, kwargs), 1.0, solver="store_all").graph).reachable[0]
+    with pytest.raises(OutOfTime, match="does not cover every schedule"):
+        Rockmate(model, (args, kwargs), floor, solver="dtr")
+    with pytest.raises(OutOfTime, match="ran out of its time limit"):
+        Rockmate(model, (args, kwargs), floor, solver="dtr", solver_options={"time_limit": 0.0})
