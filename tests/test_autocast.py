@@ -252,3 +252,43 @@ def test_batch_norm_statistics_are_sized_as_its_kernels_make_them() -> None:
     for item in norm.users:
         if item.args[1] in (1, 2):
             assert item.meta["val"].dtype == torch.float32
+
+
+class _ChannelsLastLayerNorm(nn.LayerNorm):
+    """ConvNeXt's LayerNorm over the channels of an image (timm's LayerNorm2d)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+@pytest.mark.parametrize("norm", ["layer_norm", "group_norm"])
+def test_norm_statistics_are_sized_as_its_kernels_make_them_under_autocast(norm: str) -> None:
+    """Under CPU autocast a convolution's bfloat16 output feeds a LayerNorm or GroupNorm whose
+    weights stay float32; the kernel then returns its statistics in float32, where the trace's
+    meta functions say bfloat16. The graph holds the kernel's dtype, and the step planned to its
+    budget measures its prediction to the byte (it measured 2 x 4,608 B over before)."""
+    torch.manual_seed(0)
+    layer = _ChannelsLastLayerNorm(16) if norm == "layer_norm" else nn.GroupNorm(4, 16)
+    model = zoo.WithLoss(nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), layer, nn.Conv2d(16, 8, 1)),
+                         lambda out, *_: out.float().square().mean())
+    x = torch.randn(4, 3, 24, 24)
+    with _autocast(torch.bfloat16)():
+        rk = Rockmate(copy.deepcopy(model), (x,), 1.0, solver_options=SOLVER_OPTIONS)
+    op = {"layer_norm": torch.ops.aten.native_layer_norm.default,
+          "group_norm": torch.ops.aten.native_group_norm.default}[norm]
+    (node,) = [n for n in rk.plan.joint.module.graph.nodes if n.target is op]
+    assert [v.dtype for v in node.meta["val"]] == [torch.bfloat16, torch.float32, torch.float32]
+
+    def step(m: nn.Module) -> torch.Tensor:
+        with _autocast(torch.bfloat16)():
+            out = m(x)
+        out.backward()
+        return out
+
+    eager = copy.deepcopy(model)
+    expected = step(eager)
+    planned = measure_step(step, rk, method="profiler")
+    torch.testing.assert_close(planned.result, expected)
+    for p, q in zip(eager.parameters(), rk.parameters()):
+        torch.testing.assert_close(q.grad, p.grad)
+    assert planned.peak == rk.plan.schedule.predicted_peak <= rk.budget
