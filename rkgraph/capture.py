@@ -128,18 +128,23 @@ def float_batch_norm_statistics(module: fx.GraphModule) -> int:
         if (node.op != "call_function" or node.target not in _BATCH_NORMS or not isinstance(val, (tuple, list))
                 or not isinstance(val[0], torch.Tensor) or val[0].dtype not in _HALF_PRECISIONS):
             continue
-        fixed = list(val)
-        for i in (1, 2):
-            if isinstance(fixed[i], torch.Tensor) and fixed[i].dtype in _HALF_PRECISIONS:
-                fixed[i] = torch.empty_like(fixed[i], dtype=torch.float32)
-        if all(a is b for a, b in zip(fixed, val)):
-            continue
-        node.meta["val"] = type(val)(fixed)
-        for user in node.users:
-            if user.target is operator.getitem and user.args[1] in (1, 2):
-                user.meta["val"] = fixed[user.args[1]]
-        corrected += 1
+        corrected += _give_statistics(node, torch.float32)
     return corrected
+
+
+def _give_statistics(node: fx.Node, dtype: torch.dtype) -> bool:
+    """Record a norm's outputs 1 and 2 (its statistics), and the getitems taking them, as
+    `dtype` where the trace recorded half precision; returns whether any changed."""
+    val = node.meta["val"]
+    fixed = [torch.empty_like(v, dtype=dtype) if i in (1, 2) and isinstance(v, torch.Tensor)
+             and v.dtype in _HALF_PRECISIONS and v.dtype != dtype else v for i, v in enumerate(val)]
+    if all(a is b for a, b in zip(fixed, val)):
+        return False
+    node.meta["val"] = type(val)(fixed)
+    for user in node.users:
+        if user.target is operator.getitem and user.args[1] in (1, 2):
+            user.meta["val"] = fixed[user.args[1]]
+    return True
 
 
 # LayerNorm's and GroupNorm's ops, whose outputs 1 and 2 are the statistics the backward reads.
@@ -184,14 +189,8 @@ def float_norm_statistics(module: fx.GraphModule) -> int:
         dtypes = tuple(a.meta["val"].dtype if isinstance(a, fx.Node) else None for a in tensors)
         width = math.prod(node.args[1]) if node.target is torch.ops.aten.native_layer_norm.default else node.args[4]
         dtype = _statistics_dtype(node.target, val[0].device, dtypes, width)
-        if dtype is None or dtype == val[1].dtype:
-            continue
-        fixed = (val[0], *(torch.empty_like(v, dtype=dtype) for v in val[1:3]))
-        node.meta["val"] = type(val)(fixed)
-        for user in node.users:
-            if user.target is operator.getitem and user.args[1] in (1, 2):
-                user.meta["val"] = fixed[user.args[1]]
-        corrected += 1
+        if dtype is not None:
+            corrected += _give_statistics(node, dtype)
     return corrected
 
 
