@@ -373,9 +373,11 @@ def training_function(
         flat.hooks.restart()
         args, kwargs = flat.unflatten(tensors[n_params + n_buffers:])
         before = _attributes(model)
+        state = _module_state(model)
         try:
             out = functional_call(model, dict(zip(names, tensors[: n_params + n_buffers])), args, kwargs)
         finally:
+            _restore_module_state(state)
             attached = _take_attached(model, before)
         out, dropped = _without_caches(out)
         flat.dropped_cache |= dropped
@@ -439,6 +441,20 @@ def _not_run_by_trace(compiler: Callable) -> Callable:
 
 
 _MODULE_STATE = frozenset(vars(torch.nn.Module()))  # what nn.Module keeps in every instance
+
+
+def _module_state(model: torch.nn.Module) -> list[tuple[torch.nn.Module, dict, dict]]:
+    """Each module's parameters and buffers, as `_restore_module_state` puts them back."""
+    return [(module, dict(module._parameters), dict(module._buffers)) for module in model.modules()]
+
+
+def _restore_module_state(state: list[tuple[torch.nn.Module, dict, dict]]) -> None:
+    """Put back the parameters and buffers `functional_call` swapped. It leaves the traced
+    tensors in a module reached by two paths (torch 2.13: CoaT's shared ConvRelPosEnc, whose
+    weights stayed FunctionalTensors after planning, so the user's model no longer ran)."""
+    for module, parameters, buffers in state:
+        module._parameters.update(parameters)
+        module._buffers.update(buffers)
 
 
 def _attributes(model: torch.nn.Module) -> dict[tuple[str, str], tuple[Any, Any]]:

@@ -474,3 +474,33 @@ def test_an_lstm_on_its_models_input_plans_and_matches_eager(monkeypatch: pytest
         monkeypatch.setattr(sys.modules["rkgraph.capture"], "differentiable_lstm", contextlib.nullcontext)
         with pytest.raises(CaptureError, match=r"rnn: an LSTM on a CPU .*mkldnn.flags\(enabled=False\)"):
             Rockmate(copy.deepcopy(model), x, 1.0)
+
+
+def test_planning_leaves_the_parameters_of_a_module_reached_by_two_paths() -> None:
+    """torch.func.functional_call leaves the traced tensors in a module the model reaches by
+    two attribute paths (timm's CoaT shares its relative position encoding across blocks):
+    capture puts every parameter and buffer back, so the model is as it was and its step runs."""
+    import copy as _copy
+
+    from rockplan import Rockmate
+
+    class Shared(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shared = torch.nn.Linear(8, 8)
+            self.blocks = torch.nn.Sequential(self.shared, torch.nn.ReLU())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (self.blocks(x) + self.shared(x)).square().mean()
+
+    torch.manual_seed(0)
+    model, x = Shared(), torch.randn(4, 8)
+    eager = _copy.deepcopy(model)
+    before = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
+    rk = Rockmate(model, (x,), 1.0)
+    after = dict(model.named_parameters(remove_duplicate=False))
+    assert all(after[n] is p and type(p) is torch.nn.Parameter for n, p in before.items())
+    rk(x).backward()
+    eager(x).backward()
+    for p, q in zip(eager.parameters(), model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad)
