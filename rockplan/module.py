@@ -319,17 +319,21 @@ class Rockmate(nn.Module):
         orders the generated backward its own way (a fused kernel allocates all its outputs at
         once; a recomputation fused with a later reader is made early), so the compiled step
         can hold more than the schedule: each plan's compiled step is run once on real tensors
-        and, while it peaks over the budget, the step is planned again for a budget smaller by
-        the excess (on the same node times). The plan keeps the user's budget."""
+        and, while it peaks over the budget, the step is planned again (on the same node times)
+        for the budget less the most Inductor has held over a plan's predicted peak. That excess
+        is about constant across plans of one graph (the same fusions), so one replan usually
+        fits; aiming only the overshoot lower would replan for a budget the last plan already
+        met, and creep down by bytes. The plan keeps the user's budget."""
         budget = step.plan.budget
-        planned_for, peaks = budget, []
+        planned_for, peaks, excess = budget, [], 0
         for _ in range(INDUCTOR_REFITS + 1):
             peaks.append(measured_step_peak(step.compiled, flat_tensors(self.model, step.flat, args, kwargs),
                                             len(step.flat.param_names)))
             if peaks[-1] <= budget:
                 step.plan = dataclasses.replace(step.plan, budget=budget)
                 return step
-            planned_for -= peaks[-1] - budget
+            excess = max(excess, peaks[-1] - step.plan.schedule.predicted_peak)
+            planned_for = min(planned_for - (peaks[-1] - budget), budget - excess)
             if planned_for <= 0:
                 break
             log.warning("Inductor's compiled step peaks at %d bytes, over the budget of %d: planning again "
