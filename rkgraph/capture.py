@@ -147,23 +147,39 @@ def _give_statistics(node: fx.Node, dtype: torch.dtype) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class _NormCall:
+    """Where a norm op's call holds what decides its statistics' dtype, and how to call it on a
+    probe: `tensors` picks the input, weight and bias from the call's arguments, `width` the
+    elements one row normalizes over (layer norm's normalized size, group norm's channels), and
+    `probe` calls the op on one row of that width (weight and bias None where absent)."""
+
+    tensors: Callable[[tuple], tuple]
+    width: Callable[[tuple], int]
+    probe: Callable[..., tuple]
+
+
 # LayerNorm's and GroupNorm's ops, whose outputs 1 and 2 are the statistics the backward reads.
-_NORMS_WITH_STATISTICS = frozenset({torch.ops.aten.native_layer_norm.default, torch.ops.aten.native_group_norm.default})
+_NORMS_WITH_STATISTICS = {
+    torch.ops.aten.native_layer_norm.default: _NormCall(
+        tensors=lambda args: (args[0], args[2], args[3]), width=lambda args: math.prod(args[1]),
+        probe=lambda x, w, b, width: torch.ops.aten.native_layer_norm.default(x, [width], w, b, 1e-5)),
+    torch.ops.aten.native_group_norm.default: _NormCall(
+        tensors=lambda args: (args[0], args[1], args[2]), width=lambda args: args[4],
+        probe=lambda x, w, b, width: torch.ops.aten.native_group_norm.default(x, w, b, 1, width, 1, 1, 1e-5)),
+}
 
 
 @functools.cache
 def _statistics_dtype(op: torch._ops.OpOverload, device: torch.device, dtypes: tuple[torch.dtype | None, ...],
                       width: int) -> torch.dtype | None:
     """The dtype of the statistics `op`'s kernel on `device` returns for an input, weight and bias
-    of `dtypes` (None: no tensor), over `width` elements of a row (layer norm's normalized size,
-    group norm's channels): probed once on a one-row input. None where the kernel refuses."""
+    of `dtypes` (None: no tensor), over `width` elements of a row: probed once on a one-row
+    input. None where the kernel refuses."""
     with unset_fake_temporarily():
         x, w, b = (None if d is None else torch.rand(1, width, device=device, dtype=d) for d in dtypes)
         try:
-            if op is torch.ops.aten.native_layer_norm.default:
-                out = op(x, [width], None if w is None else w[0], None if b is None else b[0], 1e-5)
-            else:
-                out = op(x, None if w is None else w[0], None if b is None else b[0], 1, width, 1, 1, 1e-5)
+            out = _NORMS_WITH_STATISTICS[op].probe(x, None if w is None else w[0], None if b is None else b[0], width)
         except (RuntimeError, NotImplementedError):
             return None
     return out[1].dtype
@@ -184,11 +200,9 @@ def float_norm_statistics(module: fx.GraphModule) -> int:
                 or not isinstance(val, (tuple, list)) or not all(isinstance(v, torch.Tensor) for v in val)
                 or val[1].dtype not in _HALF_PRECISIONS):
             continue
-        tensors = [node.args[0], *(node.args[2:4] if node.target is torch.ops.aten.native_layer_norm.default
-                                   else node.args[1:3])]
-        dtypes = tuple(a.meta["val"].dtype if isinstance(a, fx.Node) else None for a in tensors)
-        width = math.prod(node.args[1]) if node.target is torch.ops.aten.native_layer_norm.default else node.args[4]
-        dtype = _statistics_dtype(node.target, val[0].device, dtypes, width)
+        call = _NORMS_WITH_STATISTICS[node.target]
+        dtypes = tuple(a.meta["val"].dtype if isinstance(a, fx.Node) else None for a in call.tensors(node.args))
+        dtype = _statistics_dtype(node.target, val[0].device, dtypes, call.width(node.args))
         if dtype is not None:
             corrected += _give_statistics(node, dtype)
     return corrected
