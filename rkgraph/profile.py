@@ -149,28 +149,55 @@ class RescaledTimes:
         return times
 
 
+# The AllocatorEvents blocks open in this process, innermost last: only the last one's session runs.
+_OPEN_EVENTS: list[AllocatorEvents] = []
+
+
 class AllocatorEvents:
     """A device allocator's allocations and frees inside a ``with`` block, as torch.profiler
     records them (``profile_memory=True``): every block, kernels' scratch buffers and compiled
     code's allocations included, without changing how the code runs (a dispatch mode would make
     ``torch.compile`` fall back to eager). Ranges opened with ``record_function`` inside the
-    block are kept by name, so a part of the block can be replayed on its own."""
+    block are kept by name, so a part of the block can be replayed on its own.
+
+    A process has one profiler session at a time, and starting one ends the other without a
+    word. So a block inside another (planning, which measures kernels' scratch, inside a
+    measured step that plans: a graph break's first steps, a new input shape) ends the outer
+    block's session: the outer block then says so (`replay` raises) rather than measure a peak
+    of 0, the figure it gave before. Pausing the outer session and starting it again after is
+    not safe: an op that began under it and ends under the new one crashed the process. A
+    session this class did not open (the user's torch.profiler) is not ended: entering a block
+    inside one raises, since the user's profile would be emptied."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self.events: list[tuple[int, bool, int, int]] = []  # (time ns, is allocation, address, bytes)
         self.ranges: dict[str, tuple[int, int]] = {}  # op or record_function name -> its last (start, end) ns
+        self.interrupted = False  # a block inside this one ended its session
         # Kineto prints two lines to stdout per profile at its default level; read when the
         # profiler is first used, and a level the user set is kept.
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
 
     def __enter__(self) -> AllocatorEvents:
+        if _OPEN_EVENTS:
+            for outer in _OPEN_EVENTS:
+                outer.interrupted = True
+        elif torch.autograd.profiler._is_profiler_enabled:
+            raise RuntimeError(
+                "rockplan measures the allocator with torch.profiler (kernels' scratch while planning, a step's "
+                "peak in rockplan.memory on a CPU), and a torch.profiler session is already open: a second "
+                "one would end it and empty your profile. Plan before opening the profiler (construct the "
+                "Rockmate and run one training step at each input shape first), or measure outside it.")
         self._profile.__enter__()
+        _OPEN_EVENTS.append(self)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        _OPEN_EVENTS.remove(self)
         self._profile.__exit__(*exc_info)
+        if self.interrupted:  # its session ended inside: no results to read
+            return
         stack = list(self._profile.profiler.kineto_results.experimental_event_tree())
         while stack:
             node = stack.pop()
@@ -186,7 +213,15 @@ class AllocatorEvents:
 
     def replay(self, start: int = 0, end: int | None = None) -> tuple[int, int]:
         """(peak, current) in bytes of the blocks allocated between `start` and `end` (ns): a free
-        of a block allocated before `start` is not counted, as the step's own memory is measured."""
+        of a block allocated before `start` is not counted, as the step's own memory is measured.
+        Raises where a block inside this one ended its session (see the class)."""
+        if self.interrupted:
+            raise RuntimeError(
+                "the allocator's events were not recorded: something inside the block measured the allocator "
+                "too (rockplan plans a step inside it where the step is the first at its input shape, or a "
+                "graph break's first or second step, and measures kernels' scratch), and torch.profiler runs "
+                "one session at a time. Measure a step that does not plan: run one training step at that "
+                "shape first (two with graph breaks).")
         alive: dict[int, int] = {}
         current = peak = 0
         for when, _, address, size in self.events:

@@ -215,9 +215,12 @@ class _ProfiledAllocations:
     def start(self) -> None:
         self._events.__enter__()
 
-    def stop(self) -> None:
+    def stop(self, read: bool = True) -> None:
+        """`read`: replay the events (not while the block's own exception propagates, which
+        an unrecorded session's error would hide)."""
         self._events.__exit__(None, None, None)
-        self.peak, self.current = self._events.replay()
+        if read:
+            self.peak, self.current = self._events.replay()
 
 
 class MemoryTracker:
@@ -266,7 +269,7 @@ class MemoryTracker:
             counter.__exit__(exc_type, exc, traceback)
             counter.stop()  # leaves peak and current as they are
         elif isinstance(counter, _ProfiledAllocations):
-            counter.stop()
+            counter.stop(read=exc_type is None)
         self._final = (counter.peak, counter.current)
         self._counter = None
 

@@ -253,6 +253,55 @@ def test_profiler_measures_compiled_code_the_storage_count_cannot() -> None:
     assert allocator_half < 0.8 * allocator_all  # well below in practice: the bound only shows the knob acted
 
 
+def test_a_measurement_a_planning_ends_says_so_rather_than_measure_zero() -> None:
+    """torch.profiler runs one session at a time: a block measuring the allocator inside another
+    (planning inside a measured step that plans: here a graph break's first step) ends the
+    outer one's session. The outer measurement then raises (it reported a peak of 0), the inner
+    one measures what it ran, and a step that does not plan is measured as usual."""
+    from rkgraph.profile import AllocatorEvents
+    from rockplan import Rockmate
+
+    with AllocatorEvents() as outer:
+        kept = torch.empty(1 << 18)
+        with AllocatorEvents() as inner:
+            del kept
+            torch.empty(1 << 19)
+    assert inner.replay() == ((1 << 19) * F32, 0)
+    with pytest.raises(RuntimeError, match="not recorded.*Measure a step that does not plan"):
+        outer.replay()
+
+    class Broken(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x).relu()
+            if h.sum().item() < 0:  # a graph break: each graph is planned in the first training steps
+                h = -h
+            return self.b(h).square().sum()
+
+    x = torch.randn(256, 64)
+    rk = Rockmate(Broken(), x, 1.0)
+    with pytest.raises(RuntimeError, match="not recorded"):
+        measure_step(lambda: rk(x).backward())
+    rk(x).backward()
+    assert measure_step(lambda: rk(x).backward()).peak >= 2 * x.nbytes  # the two layers' activations
+
+
+def test_planning_inside_the_users_profiler_refuses_rather_than_empty_the_profile() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from rockplan import Rockmate
+
+    model, args, kwargs, _ = zoo.make("mlp", "tiny")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.ones(8).sum()
+        with pytest.raises(RuntimeError, match="torch.profiler session is already open.*Plan before"):
+            Rockmate(model, (args, kwargs), 1.0)
+    assert any(e.name == "aten::sum" for e in prof.events())
+
+
 _RSS_AFTER_FREE = """
 import sys, torch
 from rockplan.memory import steady_cpu_heap
