@@ -141,10 +141,15 @@ def _fsdp_then_rockmate(rank: int, device: str = "cpu") -> dict:
         eager_peak = measure_step(_step, eager, batch).peak
         sharded = shard(copy.deepcopy(model))
         hooks = _forward_hooks(sharded)
-        # Counted by storages: planning measures kernels' scratch with torch.profiler, so the
-        # allocator's events cannot be read around it (`AllocatorEvents`).
-        planning = measure_step(Rockmate, sharded, sample, BUDGET, profile="estimate", method="storages")
-        rk = planning.result
+        # Planning's own peak is read on CUDA only. On a CPU planning measures kernels' scratch
+        # with torch.profiler, so the allocator's events cannot be read around it
+        # (`AllocatorEvents`); and under the storage count's dispatch mode the trace runs the
+        # model's forward on real tensors (4.2 MB of the tiny GPT's), so that count is not planning's.
+        if device == "cpu":
+            rk, planning_peak = Rockmate(sharded, sample, BUDGET, profile="estimate"), None
+        else:
+            planning = measure_step(Rockmate, sharded, sample, BUDGET, profile="estimate")
+            rk, planning_peak = planning.result, planning.peak
         # Planning leaves the model as FSDP2 made it: sharded, its hooks and forward its own.
         untouched = (all(isinstance(p, DTensor) for p in sharded.parameters()) and "forward" not in vars(sharded)
                      and hooks == _forward_hooks(sharded))
@@ -154,7 +159,7 @@ def _fsdp_then_rockmate(rank: int, device: str = "cpu") -> dict:
         results[name] = {"eager": _gradients(eager), "planned": _gradients(rk), "peak": measured.peak,
                          "replanned": [str(w.message) for w in caught if "planned for" in str(w.message)],
                          "eager_peak": eager_peak, "budget": rk.budget, "untouched": untouched,
-                         "fsdp_buffers": fsdp_buffer_bytes(rk), "planning_peak": planning.peak,
+                         "fsdp_buffers": fsdp_buffer_bytes(rk), "planning_peak": planning_peak,
                          "sharded_after_step": all(isinstance(p, DTensor) for p in sharded.parameters()),
                          "schedule": [tuple(op) for op in rk.schedule.ops], "recomputes": _recomputes(rk),
                          "recomputed_reading_blocks": _recomputed_reading(rk, "model.transformer.h.")}
@@ -540,18 +545,6 @@ def test_rockmate_of_fsdp2_matches_eager_fsdp2_within_budget(ranks: list[dict], 
               {k: v for k, v in r.items() if k not in ("eager", "planned", "schedule")})
 
 
-@pytest.mark.xfail(strict=True, reason="planning holds more than the budget: storages count 4.4 MB against a "
-                   "budget of 2.3 MB (eager FSDP2's step: 5.0 MB); found when the CPU tracker stopped reading 0 "
-                   "around planning (rkgraph.profile.AllocatorEvents), not yet investigated")
-@pytest.mark.parametrize("sharding", ["blocks", "root"])
-def test_planning_under_fsdp2_stays_within_the_budget(ranks: list[dict], sharding: str) -> None:
-    """Planning traces on the whole shapes with one group gathered at a time: its own peak
-    should fit the budget the step is planned for."""
-    for rank, r in enumerate(r[sharding] for r in _scenario(ranks, "fsdp_first")):
-        assert r["planning_peak"] <= r["budget"], (
-            f"rank {rank}: planning peaked at {r['planning_peak']}, budget {r['budget']}, eager {r['eager_peak']}")
-
-
 @pytest.mark.parametrize("sharding", ["blocks", "root"])
 def test_rockmate_of_fsdp2_plans_a_new_input_inside_the_step(ranks: list[dict], sharding: str) -> None:
     _assert_same_gradients([r[sharding + ", shorter input"] for r in _scenario(ranks, "fsdp_first")])
@@ -718,5 +711,8 @@ def test_rockmate_of_fsdp2_on_nccl_matches_eager_fsdp2_within_budget(tmp_path: P
     results = [r[sharding] for r in _scenario(ranks, "fsdp_first")]
     _assert_same_gradients(results)
     for rank, r in enumerate(results):
+        # Planning traces on the whole shapes with one group gathered at a time, within the budget.
+        assert r["planning_peak"] <= r["budget"], (
+            f"rank {rank}: planning peaked at {r['planning_peak']}, budget {r['budget']}, eager {r['eager_peak']}")
         assert r["peak"] <= r["budget"] + r["fsdp_buffers"], (
             f"rank {rank}: peak {r['peak']} > budget {r['budget']} + FSDP2's buffers {r['fsdp_buffers']}")
