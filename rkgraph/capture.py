@@ -190,8 +190,8 @@ def float_norm_statistics(module: fx.GraphModule) -> int:
     CPU, with a half-precision input and float32 weights (what autocast makes of a convolution or
     linear layer's output feeding a norm whose parameters stay float32), the kernels compute and
     return the statistics in float32, while PyTorch's meta functions, which the trace records,
-    give them the input's dtype: a plan counted half their bytes, and a ConvNeXt step under bf16
-    autocast measured 35,712 B over its budget. Probed per device and dtypes, as kernels differ.
+    give them the input's dtype, so a plan counted half their bytes and the step measured over
+    its budget. Probed per device and dtypes, as kernels differ.
     Returns how many ops it corrected."""
     corrected = 0
     for node in module.graph.nodes:
@@ -464,8 +464,8 @@ def _module_state(model: torch.nn.Module) -> list[tuple[torch.nn.Module, dict, d
 
 def _restore_module_state(state: list[tuple[torch.nn.Module, dict, dict]]) -> None:
     """Put back the parameters and buffers `functional_call` swapped. It leaves the traced
-    tensors in a module reached by two paths (torch 2.13: CoaT's shared ConvRelPosEnc, whose
-    weights stayed FunctionalTensors after planning, so the user's model no longer ran)."""
+    tensors in a module reached by two attribute paths (a block shared across stages), and the
+    user's model would then hold tensors of the trace."""
     for module, parameters, buffers in state:
         module._parameters.update(parameters)
         module._buffers.update(buffers)

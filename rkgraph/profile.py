@@ -163,11 +163,11 @@ class AllocatorEvents:
     A process has one profiler session at a time, and starting one ends the other without a
     word. So a block inside another (planning, which measures kernels' scratch, inside a
     measured step that plans: a graph break's first steps, a new input shape) ends the outer
-    block's session: the outer block then says so (`replay` raises) rather than measure a peak
-    of 0, the figure it gave before. Pausing the outer session and starting it again after is
-    not safe: an op that began under it and ends under the new one crashed the process. A
-    session this class did not open (the user's torch.profiler) is not ended: entering a block
-    inside one raises, since the user's profile would be emptied."""
+    block's session, and the outer block says so (`replay` raises) rather than read an empty
+    session as no memory. The outer session is not paused and started again around the inner
+    one: an op begun under one session and ended under another is not safe. A session this
+    class did not open (the user's torch.profiler) is never ended: entering a block inside one
+    raises, since the user's profile would be emptied."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
@@ -180,15 +180,14 @@ class AllocatorEvents:
         self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
 
     def __enter__(self) -> AllocatorEvents:
-        if _OPEN_EVENTS:
-            for outer in _OPEN_EVENTS:
-                outer.interrupted = True
-        elif torch.autograd.profiler._is_profiler_enabled:
+        if not _OPEN_EVENTS and torch.autograd.profiler._is_profiler_enabled:
             raise RuntimeError(
                 "rockplan measures the allocator with torch.profiler (kernels' scratch while planning, a step's "
                 "peak in rockplan.memory on a CPU), and a torch.profiler session is already open: a second "
                 "one would end it and empty your profile. Plan before opening the profiler (construct the "
                 "Rockmate and run one training step at each input shape first), or measure outside it.")
+        for outer in _OPEN_EVENTS:
+            outer.interrupted = True
         self._profile.__enter__()
         _OPEN_EVENTS.append(self)
         return self

@@ -274,7 +274,7 @@ def test_norm_statistics_are_sized_as_its_kernels_make_them_under_autocast(norm:
     """Under CPU autocast a convolution's bfloat16 output feeds a LayerNorm or GroupNorm whose
     weights stay float32; the kernel then returns its statistics in float32, where the trace's
     meta functions say bfloat16. The graph holds the kernel's dtype, and the step planned to its
-    budget measures its prediction to the byte (it measured 2 x 4,608 B over before)."""
+    budget measures its prediction to the byte."""
     torch.manual_seed(0)
     layer = _ChannelsLastLayerNorm(16) if norm == "layer_norm" else nn.GroupNorm(4, 16)
     model = zoo.WithLoss(nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), layer, nn.Conv2d(16, 8, 1)),

@@ -144,7 +144,7 @@ def _fsdp_then_rockmate(rank: int, device: str = "cpu") -> dict:
         # Planning's own peak is read on CUDA only. On a CPU planning measures kernels' scratch
         # with torch.profiler, so the allocator's events cannot be read around it
         # (`AllocatorEvents`); and under the storage count's dispatch mode the trace runs the
-        # model's forward on real tensors (4.2 MB of the tiny GPT's), so that count is not planning's.
+        # model's forward on real tensors, so that count is not planning's.
         if device == "cpu":
             rk, planning_peak = Rockmate(sharded, sample, BUDGET, profile="estimate"), None
         else:

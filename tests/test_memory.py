@@ -256,7 +256,7 @@ def test_profiler_measures_compiled_code_the_storage_count_cannot() -> None:
 def test_a_measurement_a_planning_ends_says_so_rather_than_measure_zero() -> None:
     """torch.profiler runs one session at a time: a block measuring the allocator inside another
     (planning inside a measured step that plans: here a graph break's first step) ends the
-    outer one's session. The outer measurement then raises (it reported a peak of 0), the inner
+    outer one's session. The outer measurement then raises rather than read no memory, the inner
     one measures what it ran, and a step that does not plan is measured as usual."""
     from rkgraph.profile import AllocatorEvents
     from rockplan import Rockmate
