@@ -33,6 +33,7 @@ from rkgraph.rewrites import (
     batch_norm,
     cross_entropy,
     dropout,
+    gradient_sums,
     linear_cross_entropy,
     mask_packing,
     mm_gelu,
@@ -83,6 +84,10 @@ REWRITES: tuple[Rewrite, ...] = (
         "mm_gelu_backward", "always", mm_gelu.fuse_mm_gelu_backward,
         (_rk.mm_gelu_backward.default,), {},
         "GELU's backward fused: written into the product that makes its incoming gradient",
+    ),
+    Rewrite(
+        "reduce_before_accumulating", "always", gradient_sums.reduce_before_accumulating, (), {},
+        "gradients reduced before they are added up: a broadcast tensor's gradient held at its reduced size",
     ),
     Rewrite(
         "batch_norm_kernels", "always", batch_norm.eager_kernels, (), {},
