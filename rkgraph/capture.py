@@ -960,9 +960,21 @@ _INTERNAL_DIRS = tuple(str(p) + "/" for p in
                        (Path(torch.__file__).parent, _ROOT / "rkgraph", _ROOT / "rockplan", _ROOT / "solvers"))
 
 
+# torch.utils.checkpoint's reentrant variant: (file, function) of its backward.
+_REENTRANT_CHECKPOINT = ("torch/utils/checkpoint.py", "backward")
+
+
 def _explain_trace_failure(model: torch.nn.Module, error: Exception) -> str:
     """Name the op and the innermost line of user code where tracing failed."""
     frames = traceback.extract_tb(error.__traceback__)
+    if any(f.filename.endswith(_REENTRANT_CHECKPOINT[0]) and f.name == _REENTRANT_CHECKPOINT[1] for f in frames):
+        # Its backward runs a backward of its own, which the trace refuses; torch's message says
+        # "set use_reentrant=False" and nothing of where, and the hint below would mislead.
+        return (f"cannot capture {type(model).__name__}: it runs torch.utils.checkpoint with use_reentrant=True, "
+                "whose backward runs a backward of its own and cannot be traced. rockplan chooses what to "
+                "recompute itself: turn the model's checkpointing off (Hugging Face: "
+                "model.gradient_checkpointing_disable(); timm: model.set_grad_checkpointing(False)), or pass "
+                "use_reentrant=False, which is traced as if the checkpoint were not there.")
     user = [f for f in frames if "/transformers/" in f.filename
             or not (f.filename.startswith(_INTERNAL_DIRS) or "/site-packages/" in f.filename)]
     where = f"{user[-1].filename}:{user[-1].lineno}: {user[-1].line}" if user else "unknown location"

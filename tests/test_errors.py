@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from rkgraph.capture import CaptureError
@@ -291,6 +292,41 @@ def test_a_value_dependent_shape_in_a_graph_is_refused_naming_the_line() -> None
                                            r".*outside the planned module") as refused:
         Rockmate(Masked(), (x, mask), 1.0)(x, mask)  # the graph break path plans in the first step
     assert "fake (meta) implementation" not in str(refused.value)
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant, self.a, self.b = reentrant, nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(lambda t: self.a(t).relu().exp(), x, use_reentrant=self.reentrant)
+        return self.b(h).square().mean()
+
+
+def test_reentrant_checkpointing_is_refused_saying_to_turn_it_off() -> None:
+    """Its backward runs a backward inside autograd's, which cannot be traced: the refusal names
+    the checkpoint and how to turn it off, not a branch on tensor values at an unknown line."""
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(CaptureError, match=r"use_reentrant=True.*gradient_checkpointing_disable\(\).*"
+                                           r"use_reentrant=False") as refused:
+        Rockmate(_Checkpointed(reentrant=True), x, 1.0, profile="estimate")
+    assert "unknown location" not in str(refused.value) and "branch" not in str(refused.value)
+
+
+def test_non_reentrant_checkpointing_is_traced_through_with_eagers_gradients() -> None:
+    """What the error advises: the checkpoint is traced as if it were not there, and rockplan plans."""
+    x = torch.randn(4, 8, requires_grad=True)
+    eager = _Checkpointed(reentrant=False)
+    plain = _copy(eager)
+    plain.forward = lambda t: plain.b(plain.a(t).relu().exp()).square().mean()
+    rk = Rockmate(_copy(eager), x, 1.0, profile="estimate")
+    unchecked = Rockmate(plain, x, 1.0, profile="estimate")
+    assert [n.op for n in rk.graph.nodes] == [n.op for n in unchecked.graph.nodes]
+    for module in (eager, rk):
+        module(x).backward()
+    for p, q in zip(rk.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
 
 
 def test_dtr_refusing_a_budget_above_the_floor_says_what_it_ran_out_of() -> None:
