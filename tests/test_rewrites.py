@@ -21,6 +21,7 @@ from rkgraph.profile import AllocatorEvents
 from rkgraph.rewrites.cross_entropy import fuse_cross_entropy_backward
 from rkgraph.rewrites.dropout import SLICE_ELEMENTS, split_dropout
 from rkgraph.rewrites.dropout import scratch_bytes as dropout_scratch_bytes
+from rkgraph.rewrites.gradient_layout import obeys_layout
 from rkgraph.rewrites.gradient_sums import reduce_before_accumulating
 from rkgraph.rewrites.linear_cross_entropy import fuse_linear_cross_entropy, scratch_bytes
 from rockplan import Rockmate, zoo
@@ -553,6 +554,64 @@ def test_mpnets_shared_bias_gradient_is_held_reduced_and_plans_at_a_tighter_budg
     for (label, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=f"gradient of {label}")
     assert planned.peak <= rk.budget
+
+class _Downsampling(torch.nn.Module):
+    """ConvNeXt's downsampling: a LayerNorm over channels (channels last) and a 2x2 stride-2
+    convolution, whose weight's gradient comes out channels-last for a contiguous weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.conv = torch.nn.LayerNorm(16), torch.nn.Conv2d(16, 32, 2, stride=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)).square().mean()
+
+
+class _SpectralLayer(torch.nn.Module):
+    """A Fourier neural operator's layer: complex weights applied to the low modes by an einsum,
+    whose weight gradient comes out in the einsum's order; that weight is the step's largest tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(64, 64, 17, dtype=torch.cfloat) * 0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        modes = torch.fft.rfft(x)
+        out = torch.zeros_like(modes)
+        out[..., :17] = torch.einsum("bik,iok->bok", modes[..., :17], self.weight)
+        return F.gelu(torch.fft.irfft(out, n=x.shape[-1])).square().mean()
+
+
+def _returned_gradients(joint: object) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(primal, its gradient) fake values of a joint graph, for the primals that get one."""
+    graph = joint.module.graph
+    outputs = graph.find_nodes(op="output")[0].args[0]
+    primals = [n for n in graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+    return [(p.meta["val"], g.meta["val"]) for p, g in zip(primals, outputs[len(outputs) - len(primals):])
+            if g is not None]
+
+
+@pytest.mark.parametrize("case", ["downsampling", "spectral"])
+def test_gradients_are_returned_in_their_parameters_layout_and_the_step_fits_its_plan(
+        case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Autograd copies a gradient whose strides are not its parameter's into the parameter's
+    layout after the backward, with every gradient alive, where no plan sees it: the copy is
+    made in the graph, and the step measures what its plan predicts."""
+    torch.manual_seed(0)
+    model, x = ((_Downsampling(), torch.randn(2, 16, 16, 16)) if case == "downsampling"
+                else (_SpectralLayer(), torch.randn(4, 64, 64)))
+    eager = copy.deepcopy(model)
+    rk = Rockmate(model, (x,), 1.0, profile="estimate")
+    assert all(obeys_layout(g, p) for p, g in _returned_gradients(rk.plan.joint))
+    _without(monkeypatch, "gradients_in_input_layout")
+    assert not all(obeys_layout(g, p) for p, g in _returned_gradients(capture_joint(model, (x,))))
+
+    planned = measure_step(lambda m: m(x).backward(), rk)
+    eager(x).backward()
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        assert p.grad.stride() == p.stride()
+        torch.testing.assert_close(p.grad, q.grad)
+    assert planned.peak == rk.schedule.predicted_peak <= rk.budget
 
 
 # --- the table, and the imports ------------------------------------------------------------

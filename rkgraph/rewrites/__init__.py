@@ -33,6 +33,7 @@ from rkgraph.rewrites import (
     batch_norm,
     cross_entropy,
     dropout,
+    gradient_layout,
     gradient_sums,
     linear_cross_entropy,
     mask_packing,
@@ -96,6 +97,10 @@ REWRITES: tuple[Rewrite, ...] = (
     Rewrite(
         "batch_norm_backward_stats", "always", batch_norm.drop_unread_running_stats, (), {},
         "BatchNorm's backward given no running statistics, which in training it does not read",
+    ),
+    Rewrite(
+        "gradients_in_input_layout", "always", gradient_layout.gradients_in_input_layout, (), {},
+        "gradients made in their parameter's layout, which autograd would otherwise copy them into after the step",
     ),
     Rewrite(
         "attention", "lean", attention.fuse_attention,
