@@ -87,8 +87,9 @@ class JointGraph:
 
 
 def refuse_unrunnable_ops(module: fx.GraphModule) -> None:
-    """Raise `CaptureError` for a traced op whose compiled step PyTorch cannot run, naming the
-    module it comes from and what to do instead.
+    """Raise `CaptureError` for a traced op whose compiled step PyTorch cannot run, or whose
+    values' bytes no plan can know (sparse tensors), naming the module it comes from and what to
+    do instead.
 
     `mkldnn_rnn_layer` (an LSTM on a CPU with oneDNN; tracing avoids it, `differentiable_lstm`,
     and this names it should a trace hold it still): its workspace output is an empty tensor in
@@ -103,6 +104,18 @@ def refuse_unrunnable_ops(module: fx.GraphModule) -> None:
             "the LSTM into matrix products per time step as eager then runs it, or keep it outside the "
             "planned module."
         )
+    for node in module.graph.nodes:
+        values = node.meta.get("val")
+        values = values if isinstance(values, (tuple, list)) else [values]
+        if any(isinstance(v, torch.Tensor) and v.layout != torch.strided for v in values):
+            where = node.meta.get("custom", {}).get("module") or "the model"
+            raise CaptureError(
+                f"{where}: {node.target} makes a {next(v.layout for v in values if isinstance(v, torch.Tensor))} "
+                "tensor (an nn.Embedding or nn.EmbeddingBag with sparse=True makes its weight's gradient "
+                "sparse), and rockplan sizes and plans dense (strided) tensors only. Pass "
+                "sparse=False (a dense gradient the size of the table), or keep the sparse module outside the "
+                "planned module."
+            )
 
 
 # BatchNorm's ops whose outputs 1 and 2 are the batch's statistics (mean and inverse standard

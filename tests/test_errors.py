@@ -329,6 +329,24 @@ def test_non_reentrant_checkpointing_is_traced_through_with_eagers_gradients() -
         torch.testing.assert_close(p.grad, q.grad)
 
 
+@pytest.mark.parametrize("bag", [False, True])
+def test_a_sparse_embedding_is_refused_naming_it_and_the_dense_option(bag: bool) -> None:
+    """Its weight's gradient is a sparse tensor, which building the graph could not size (it
+    failed with "Cannot access storage of SparseTensorImpl")."""
+
+    class Embedded(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = (nn.EmbeddingBag if bag else nn.Embedding)(100, 8, sparse=True)
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.table(ids) if bag else self.table(ids).mean(1)).square().mean()
+
+    with pytest.raises(CaptureError, match=r"table: .*sparse_coo tensor.*Pass sparse=False"):
+        Rockmate(Embedded(), torch.randint(0, 100, (4, 6)), 1.0, profile="estimate")
+
+
 def test_dtr_refusing_a_budget_above_the_floor_says_what_it_ran_out_of() -> None:
     """DTR has a time limit only when given one: without, its refusal says its search does not
     cover every schedule; with one that runs out, how to give it more time."""

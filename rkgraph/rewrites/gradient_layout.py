@@ -54,8 +54,8 @@ def gradients_in_input_layout(gm: fx.GraphModule) -> int:
             continue
         value, expected = gradient.meta["val"], primal.meta["val"]
         memory_format = _memory_format(expected)
-        if (value.shape != expected.shape or memory_format is None or obeys_layout(value, expected)
-                or gradient.op == "placeholder"):
+        if (value.layout != torch.strided or value.shape != expected.shape or memory_format is None
+                or obeys_layout(value, expected) or gradient.op == "placeholder"):
             continue
         with graph.inserting_after(gradient):
             outputs[first + k] = call(graph, aten.clone.default, (gradient,), {"memory_format": memory_format},
