@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ from rkgraph.rewrites.cross_entropy import fuse_cross_entropy_backward
 from rkgraph.rewrites.dropout import SLICE_ELEMENTS, split_dropout
 from rkgraph.rewrites.dropout import scratch_bytes as dropout_scratch_bytes
 from rkgraph.rewrites.gradient_layout import obeys_layout
-from rkgraph.rewrites.gradient_sums import reduce_before_accumulating
+from rkgraph.rewrites.gradient_sums import reduce_before_accumulating, stack_selected_gradients
 from rkgraph.rewrites.linear_cross_entropy import fuse_linear_cross_entropy, scratch_bytes
 from rockplan import Rockmate, zoo
 from rockplan.memory import measure_step
@@ -511,6 +512,63 @@ def test_sums_that_reduce_nothing_or_read_a_total_read_elsewhere_are_left_alone(
 
     gm = _all_backward(make_fx(step, tracing_mode="fake")(torch.randn(1, 5), torch.randn(1, 5)))
     assert reduce_before_accumulating(gm) == 0
+
+def _packed_projection_step(x: torch.Tensor, weight: torch.Tensor, take: int) -> list[torch.Tensor]:
+    """Queries, keys and values projected as one tensor and selected, as nn.MultiheadAttention
+    does; `take` of the three read."""
+    packed = (x @ weight).unflatten(-1, (3, -1)).movedim(-2, 0)
+    loss = sum((packed[i] * (i + 1)).tanh().sum() for i in range(take))
+    return list(torch.autograd.grad(loss, [x, weight]))
+
+
+@pytest.mark.parametrize("take", [3, 2])
+def test_gradients_of_every_slice_are_stacked_not_added_as_zero_filled_copies(take: int) -> None:
+    args = (torch.randn(4, 5, 8, requires_grad=True), torch.randn(8, 24, requires_grad=True))
+    gm = _all_backward(make_fx(functools.partial(_packed_projection_step, take=take), tracing_mode="fake")(*args))
+    expected = gm(*args)
+
+    def selects() -> int:
+        return len(gm.graph.find_nodes(op="call_function", target=aten.select_backward.default))
+
+    assert selects() == take
+    # With a slice unread its zeros must be written somewhere: left alone.
+    assert stack_selected_gradients(gm) == (take == 3)
+    gm.graph.lint()
+    gm.recompile()
+    assert selects() == (0 if take == 3 else take)
+    for got, want in zip(gm(*args), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_multihead_attentions_projection_gradient_is_one_tensor_and_the_step_is_eagers() -> None:
+    """nn.MultiheadAttention's packed projection: its backward held three zero-filled copies of
+    the projection's size at once; stacked, the step's floor is lower and its gradients are eager's."""
+
+    class Attention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention = torch.nn.MultiheadAttention(64, 4, dropout=0.1, batch_first=True)
+            self.head = torch.nn.Linear(64, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out, weights = self.attention(x, x, x, need_weights=True)
+            return self.head(out).square().mean() + weights.square().mean()
+
+    torch.manual_seed(0)
+    model, x = Attention(), torch.randn(4, 64, 64)
+    eager = copy.deepcopy(model)
+    rk = Rockmate(model, (x,), 1.0, profile="estimate")
+    assert not [n for n in rk.graph.nodes if n.op == "aten.select_backward.default"]
+
+    def step(m: torch.nn.Module) -> None:
+        torch.manual_seed(3)
+        m(x).backward()
+
+    planned = measure_step(step, rk)
+    step(eager)
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+    assert planned.peak == rk.schedule.predicted_peak <= rk.budget
 
 
 def test_mpnets_shared_bias_gradient_is_held_reduced_and_plans_at_a_tighter_budget(

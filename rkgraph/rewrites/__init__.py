@@ -99,6 +99,10 @@ REWRITES: tuple[Rewrite, ...] = (
         "BatchNorm's backward given no running statistics, which in training it does not read",
     ),
     Rewrite(
+        "stack_selected_gradients", "always", gradient_sums.stack_selected_gradients, (), {},
+        "the gradients of a tensor's slices stacked, not added up as zero-filled copies of the whole",
+    ),
+    Rewrite(
         "gradients_in_input_layout", "always", gradient_layout.gradients_in_input_layout, (), {},
         "gradients made in their parameter's layout, which autograd would otherwise copy them into after the step",
     ),

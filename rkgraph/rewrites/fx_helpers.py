@@ -16,7 +16,7 @@ RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 def call(graph: fx.Graph, target: object, args: tuple, kwargs: dict, meta: dict) -> fx.Node:
     """A new node of `graph` with `meta` and its value computed on the inputs' fake values."""
     node = graph.call_function(target, args, kwargs)
-    vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
+    vals = fx.node.map_arg(args, lambda a: a.meta["val"])  # nodes in lists too (stack's tensors)
     with meta["val"].fake_mode if isinstance(meta["val"], torch.Tensor) else meta["val"][0].fake_mode:
         node.meta = {**meta, "val": target(*vals, **kwargs)}
     return node

@@ -1,5 +1,6 @@
-"""Reduce each term of a gradient's accumulation before adding them: `sum(a + b)` becomes
-`sum(a) + sum(b)` over the same dimensions.
+"""Add up a tensor's gradients holding less: reduce each term before adding them (`sum(a + b)`
+becomes `sum(a) + sum(b)` over the same dimensions), and stack the gradients of a tensor's
+slices instead of adding zero-filled copies of them.
 
 Autograd adds up the gradients of a tensor that several ops read, and where that tensor was
 broadcast (an `expand`), reduces the total over the broadcast dimensions. A tensor made once,
@@ -9,6 +10,12 @@ the size of an attention's scores, held through the whole backward, where tight 
 Reduced as each term is made, only the reduced sum is held. The work is about the same (a
 reduction of each term instead of an add of each term); the summation order differs, so values
 equal the unrewritten graph's up to rounding.
+
+A tensor read as its slices along one dimension (`nn.MultiheadAttention` projects queries, keys
+and values as one tensor and selects each) gets the gradient of each slice as a zero-filled
+tensor of the whole's size (`select_backward`), and the adds of those: three whole-sized tensors
+at once where one is enough. A `stack` of the slices' gradients is the same values (adding zeros
+is exact) and one tensor.
 """
 
 from __future__ import annotations
@@ -70,5 +77,34 @@ def reduce_before_accumulating(gm: fx.GraphModule) -> int:
         reduction.replace_all_uses_with(accumulated)
         graph.erase_node(reduction)
         erase_unused(graph, adds)
+        count += 1
+    return count
+
+
+def stack_selected_gradients(gm: fx.GraphModule) -> int:
+    """Rewrite each chain of adds of `gm`'s backward whose terms are `select_backward`s of one
+    shape and dimension, one for each index of that dimension and read by the chain alone, into
+    a `stack` of the selected gradients (the caller recompiles); returns how many."""
+    graph = gm.graph
+    count = 0
+    for total in list(graph.find_nodes(op="call_function", target=aten.add.Tensor)):
+        if total.graph is not graph or not is_backward(total):
+            continue  # erased with a chain rewritten before
+        users = list(total.users)
+        if len(users) == 1 and _is_accumulation(users[0]) and is_backward(users[0]):
+            continue  # not the chain's last add: its last one takes the whole chain
+        adds: list[fx.Node] = []
+        terms = _terms(total, adds)
+        if len(terms) < 2 or not all(t.target is aten.select_backward.default and len(t.users) == 1 for t in terms):
+            continue
+        sizes, dim = terms[0].args[1], terms[0].args[2]
+        extent = sizes[dim]
+        at = {t.args[3] % extent: t.args[0] for t in terms if list(t.args[1]) == list(sizes) and t.args[2] == dim}
+        if len(terms) != extent or sorted(at) != list(range(extent)):
+            continue
+        with graph.inserting_before(total):
+            stacked = call(graph, aten.stack.default, ([at[i] for i in range(extent)], dim), {}, total.meta)
+        total.replace_all_uses_with(stacked)
+        erase_unused(graph, [*adds, *terms])
         count += 1
     return count
