@@ -96,26 +96,29 @@ def refuse_unrunnable_ops(module: fx.GraphModule) -> None:
     the trace and None when the kernel runs, so AOTAutograd's compiled forward refuses to save it
     (an assertion), and handing the backward an empty tensor instead crashes the process."""
     for node in module.graph.find_nodes(op="call_function", target=torch.ops.aten.mkldnn_rnn_layer.default):
-        where = node.meta.get("custom", {}).get("module") or "the model"
         raise CaptureError(
-            f"{where}: an LSTM on a CPU traces to oneDNN's mkldnn_rnn_layer, whose compiled training step "
-            "PyTorch cannot run (its workspace is a tensor in the trace and None when it runs). Turn oneDNN "
+            f"{_module_of(node)}: an LSTM on a CPU traces to oneDNN's mkldnn_rnn_layer, whose compiled training "
+            "step PyTorch cannot run (its workspace is a tensor in the trace and None when it runs). Turn oneDNN "
             "off for planning and training, `with torch.backends.mkldnn.flags(enabled=False):`, which traces "
             "the LSTM into matrix products per time step as eager then runs it, or keep it outside the "
             "planned module."
         )
     for node in module.graph.nodes:
         values = node.meta.get("val")
-        values = values if isinstance(values, (tuple, list)) else [values]
-        if any(isinstance(v, torch.Tensor) and v.layout != torch.strided for v in values):
-            where = node.meta.get("custom", {}).get("module") or "the model"
+        layouts = {v.layout for v in (values if isinstance(values, (tuple, list)) else [values])
+                   if isinstance(v, torch.Tensor)} - {torch.strided}
+        if layouts:
             raise CaptureError(
-                f"{where}: {node.target} makes a {next(v.layout for v in values if isinstance(v, torch.Tensor))} "
-                "tensor (an nn.Embedding or nn.EmbeddingBag with sparse=True makes its weight's gradient "
-                "sparse), and rockplan sizes and plans dense (strided) tensors only. Pass "
-                "sparse=False (a dense gradient the size of the table), or keep the sparse module outside the "
-                "planned module."
+                f"{_module_of(node)}: {node.target} makes a {layouts.pop()} tensor (an nn.Embedding or "
+                "nn.EmbeddingBag with sparse=True makes its weight's gradient sparse), and rockplan sizes and "
+                "plans dense (strided) tensors only. Pass sparse=False (a dense gradient the size of the table), "
+                "or keep the sparse module outside the planned module."
             )
+
+
+def _module_of(node: fx.Node) -> str:
+    """The module an fx node of the step comes from, as the trace annotated it."""
+    return node.meta.get("custom", {}).get("module") or "the model"
 
 
 # BatchNorm's ops whose outputs 1 and 2 are the batch's statistics (mean and inverse standard
