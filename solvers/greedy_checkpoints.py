@@ -14,19 +14,29 @@ import time
 
 from rkgraph.graph import RematGraph
 from rkgraph.units import format_bytes
-from solvers.bounds import min_memory_schedule
+from solvers.bounds import min_memory_length, min_memory_schedule
 from solvers.schedule import Schedule
 from solvers.simulate import InfeasibleBudget, simulate
 
 NAME = "greedy_checkpoints"
+# A family whose minimum-memory schedule runs more computations than this is not tried. That
+# schedule is quadratic in the graph's depth, each trial of the search rebuilds one about as
+# long, and the first build is not stopped by the time limit: on a bidirectional GRU's 7,444
+# nodes it runs 3.2 million computations, 200 times the store-all step's time, and took 20-30 s
+# to build on a 2-core machine, several times over a 20 s limit. This many (T5-small's 1,542
+# nodes list 190,000) take about two seconds.
+MAX_COMPUTES = 200_000
 
 
 Measured = dict[tuple[bool, str], tuple[int, float]]  # (forward_once, checkpoint) -> (peak, time) of it alone
 
 
 def _greedy(graph: RematGraph, budget: int | None, forward_once: bool, deadline: float,
-            alone: Measured) -> Schedule:
-    """Greedy checkpoint selection within one schedule family (see `min_memory_schedule`)."""
+            alone: Measured) -> Schedule | None:
+    """Greedy checkpoint selection within one schedule family (see `min_memory_schedule`); None
+    where its schedules are too long to build (`MAX_COMPUTES`)."""
+    if min_memory_length(graph, forward_once=forward_once) > MAX_COMPUTES:
+        return None
     def build(checkpoints: list[str]) -> Schedule:
         return min_memory_schedule(graph, checkpoints, solver=NAME, forward_once=forward_once)
 
@@ -74,11 +84,15 @@ def solve_greedy_checkpoints(graph: RematGraph, budget: int | None = None, time_
     keeping one checkpoint do not depend on the budget, and they are most of the work."""
     start = time.perf_counter()
     measured = {} if measured is None else measured
-    results = []
+    results, tried = [], False
     for i, forward_once in enumerate((True, False)):
         family = _greedy(graph, budget, forward_once, start + time_limit * (i + 1) / 2, measured)
-        if budget is None or family.predicted_peak <= budget:
+        tried = tried or family is not None
+        if family is not None and (budget is None or family.predicted_peak <= budget):
             results.append(family)
+    if not tried:
+        raise InfeasibleBudget(f"greedy checkpoints not tried: the minimum-memory schedules of this graph run "
+                               f"more than {MAX_COMPUTES} computations (quadratic in its depth)")
     if not results:
         raise InfeasibleBudget(f"budget {budget} bytes ({format_bytes(budget or 0)}) is below the "
                                "peak of the minimum-memory schedule")

@@ -43,7 +43,7 @@ from solvers import (
     solver_options,
 )
 from solvers.backward_order import delayed_branches
-from solvers.bounds import chain_order_floor, in_order_floor, min_memory_schedule, time_lower_bound
+from solvers.bounds import chain_order_floor, in_order_floor, min_memory_length, min_memory_schedule, time_lower_bound
 from solvers.ilp_model import CheckmateMilp, memory_unit, stages_of
 from solvers.simulate import schedule_from_computes, to_recompute
 from tests.graph_factories import chain_graph, random_training_graph, training_graph
@@ -566,6 +566,21 @@ def test_greedy_checkpoints_build_each_schedule_once(monkeypatch: pytest.MonkeyP
         assert shared.computes() == alone.computes()
         if fraction > 0:
             assert sum(n for (_, c), n in built.items() if len(c) == 1) <= 2
+
+
+def test_greedy_checkpoints_are_not_tried_where_their_schedules_are_too_long_to_build(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The minimum-memory schedule is quadratic in depth and its first build ignores the time
+    limit: a graph whose schedules list more than MAX_COMPUTES computations is refused at once,
+    saying why, without building one; the count is the listing's, before the replay's pruning."""
+    graph = chain_graph(60)
+    assert min_memory_length(graph) >= len(min_memory_schedule(graph).computes()) > 60 * 10
+    once = min_memory_length(graph, forward_once=True)  # the shorter family
+    assert once == len(min_memory_schedule(graph, forward_once=True).computes())
+    monkeypatch.setattr(greedy_checkpoints, "MAX_COMPUTES", once - 1)
+    monkeypatch.setattr(greedy_checkpoints, "min_memory_schedule", None)  # never built
+    with pytest.raises(InfeasibleBudget, match="not tried: .*more than"):
+        solve_greedy_checkpoints(graph, solve_store_all(graph).predicted_peak)
 
 
 @FAST
