@@ -21,6 +21,7 @@ from rkgraph.rewrites.fx_helpers import call
 
 aten = torch.ops.aten
 
+
 def obeys_layout(gradient: torch.Tensor, parameter: torch.Tensor) -> bool:
     """Whether autograd keeps `gradient` as `parameter`'s .grad without copying it (for a dense
     parameter): the same strides wherever the size is not 1, and no broadcast dimension."""
