@@ -19,12 +19,11 @@ from solvers.schedule import Schedule
 from solvers.simulate import InfeasibleBudget, simulate
 
 NAME = "greedy_checkpoints"
-# A family whose minimum-memory schedule runs more computations than this is not tried. That
+# A family whose minimum-memory schedule lists more computations than this is not tried. That
 # schedule is quadratic in the graph's depth, each trial of the search rebuilds one about as
-# long, and the first build is not stopped by the time limit: on a bidirectional GRU's 7,444
-# nodes it runs 3.2 million computations, 200 times the store-all step's time, and took 20-30 s
-# to build on a 2-core machine, several times over a 20 s limit. This many (T5-small's 1,542
-# nodes list 190,000) take about two seconds.
+# long, and the time limit cannot stop a build: a deep recurrent network's takes longer than the
+# whole limit, and a schedule recomputing the forward hundreds of times is never the plan. This
+# many take a second or two to build.
 MAX_COMPUTES = 200_000
 
 

@@ -7,8 +7,8 @@ otherwise it copies it into the parameter's layout after the backward has return
 gradient alive: memory no plan of the graph sees. A convolution's weight gradient can come out
 channels-last for a contiguous weight (ConvNeXt's and SegFormer's patch convolutions), and an
 einsum's in the order of its operands (a Fourier layer's complex weights, the largest tensor of
-its step, which then measured 68% over its plan). The copy is made in the graph instead, right
-after the gradient, where the plan counts it and autograd then keeps it as it is.
+its step). The copy is made in the graph instead, right after the gradient, where the plan
+counts it and autograd then keeps it as it is.
 """
 
 from __future__ import annotations

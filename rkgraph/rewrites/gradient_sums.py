@@ -87,9 +87,10 @@ def stack_selected_gradients(gm: fx.GraphModule) -> int:
     a `stack` of the selected gradients (the caller recompiles); returns how many."""
     graph = gm.graph
     count = 0
+    erased: set[fx.Node] = set()  # adds of chains rewritten before, still in the list below
     for total in list(graph.find_nodes(op="call_function", target=aten.add.Tensor)):
-        if total.graph is not graph or not is_backward(total):
-            continue  # erased with a chain rewritten before
+        if total in erased or not is_backward(total):
+            continue
         users = list(total.users)
         if len(users) == 1 and _is_accumulation(users[0]) and is_backward(users[0]):
             continue  # not the chain's last add: its last one takes the whole chain
@@ -106,5 +107,6 @@ def stack_selected_gradients(gm: fx.GraphModule) -> int:
             stacked = call(graph, aten.stack.default, ([at[i] for i in range(extent)], dim), {}, total.meta)
         total.replace_all_uses_with(stacked)
         erase_unused(graph, [*adds, *terms])
+        erased.update(adds)
         count += 1
     return count
