@@ -89,7 +89,7 @@ def first_value(node: fx.Node) -> torch.Tensor:
 CUDA_BLOCK_BYTES = 512
 
 
-def _tensor_bytes(val: object) -> int:
+def storage_bytes(val: object) -> int:
     """Bytes the allocator gives the tensor's storage: exact on CPU, whole blocks on CUDA."""
     if not isinstance(val, torch.Tensor):
         return 0
@@ -148,10 +148,10 @@ def build_graph(joint: JointGraph, name: str = "", replay_rng: bool = True) -> R
     data: dict[str, DataNode] = {}
     # Tensors the trace lifted as constants (a loss's fixed targets): alive before the step.
     for node in gm.graph.find_nodes(op="get_attr"):
-        data[node.name] = DataNode(node.name, _tensor_bytes(node.meta.get("val")), "buffer")
+        data[node.name] = DataNode(node.name, storage_bytes(node.meta.get("val")), "buffer")
     primal_index = 0
     for node in gm.graph.find_nodes(op="placeholder"):
-        size = _tensor_bytes(node.meta.get("val"))
+        size = storage_bytes(node.meta.get("val"))
         if is_tangent(node):
             data[node.name] = DataNode(node.name, size, "tangent")
         else:
@@ -216,7 +216,7 @@ def build_graph(joint: JointGraph, name: str = "", replay_rng: bool = True) -> R
         # (`rkgraph.hooks`: it runs in each step as eager runs it, once).
         runs_once = any(is_collective(n) or is_hook_call(n) for n in group.ops)
         for s in outs:
-            data[s] = DataNode(s, _tensor_bytes(storages.root_of[s].meta.get("val")), "activation", head.name)
+            data[s] = DataNode(s, storage_bytes(storages.root_of[s].meta.get("val")), "activation", head.name)
         if not outs and has_side_effect(head):
             # Nothing reads what it does (an assertion): a zero-byte value the step must
             # produce, as a forward output or a gradient, keeps it in every schedule.
@@ -357,7 +357,7 @@ def _group_dataflow(group: _Group, storages: StorageMap, escaping: set[str]):
         if n.target is operator.getitem:
             continue
         val = n.meta.get("val")
-        new = [_tensor_bytes(v) for v in val] if isinstance(val, (tuple, list)) else [_tensor_bytes(val)]
+        new = [storage_bytes(v) for v in val] if isinstance(val, (tuple, list)) else [storage_bytes(val)]
         live += sum(new)
         peak = max(peak, live)
         read = tuple(s for s in inputs if last_use[s] < i)

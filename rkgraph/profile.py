@@ -11,7 +11,8 @@ figures; solvers only compare times relative to each other. Scratch cannot be es
 convolution's im2col buffer or a reduction's partial sums are the kernel's business, seen only
 by the allocator. It is measured op by op, each op alone on synthetic tensors
 (`measure_op_scratch`), which needs neither real inputs nor the step's memory; a replay of the
-step (`measure_scratch`) reads the same figures, and stays as its check.
+step (`measure_scratch`) reads the same figures, and stays as its check. The same calls give
+each value the bytes its kernel allocated for it, where they exceed its shape's.
 Our own ops' scratch is known from their shapes (the rewrites' table, `rkgraph.rewrites`) and
 stands in for the measurement where an op cannot run on synthetic inputs.
 """
@@ -36,8 +37,9 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils.flop_counter import flop_registry
 
+from rkgraph.build import storage_bytes
 from rkgraph.capture import is_tangent, preserved_rng
-from rkgraph.graph import RematGraph, matching_nodes
+from rkgraph.graph import ComputeNode, RematGraph, matching_nodes
 from rkgraph.hooks import hooks_muted
 from rkgraph.rewrites import REWRITES, known_scratch
 
@@ -329,10 +331,11 @@ _UNSYNTHETIC_TAGS = frozenset({torch.Tag.data_dependent_output, torch.Tag.dynami
 _UNSYNTHETIC_OPS = frozenset({torch.ops.aten._assert_async.default, torch.ops.aten._assert_async.msg,
                               torch.ops.aten._assert_scalar.default,
                               torch.ops.aten._functional_assert_async.msg})
-# Op signature -> (scratch bytes, what the op returns, described as `_described` does); scratch
-# None where the op cannot run on synthetic inputs. The signature holds everything the kernel's
+# Op signature -> (scratch bytes, what the op returns, described as `_described` does, the bytes
+# of the storages it returned, as `_fresh_storages` gives them); scratch None and no storages
+# where the op cannot run on synthetic inputs. The signature holds everything the kernel's
 # choice of buffers depends on, so a measurement holds for the process.
-_op_scratch: dict[tuple, tuple[int | None, object]] = {}
+_op_scratch: dict[tuple, tuple[int | None, object, object]] = {}
 _OP_SCRATCH_HELD = 1 << 16  # signatures held before the oldest are dropped
 # Op signature -> seconds of one call on synthetic inputs (`synthetic_times`); None where it
 # cannot run on them.
@@ -347,16 +350,19 @@ _UNKNOWN = object()  # the description of a value no synthetic input can stand f
 
 
 def _described(value: object) -> object:
-    """`value` with each tensor replaced by ("tensor", shape, stride, dtype, device): what a
-    synthetic tensor is made from. Raises _Unsynthetic for a symbolic size or stride, or for a
-    tensor that is not plain and strided (a subclass, sparse)."""
+    """`value` with each tensor replaced by ("tensor", shape, stride, dtype, device, storage
+    offset, storage bytes): what a synthetic tensor is made from. The storage is part of it: a
+    kernel may allocate by its input's storage, not its shape (a functional `copy` or `*_scatter`
+    clones its input's whole storage, a view's base included). Raises _Unsynthetic for a
+    symbolic size or stride, or for a tensor that is not plain and strided (a subclass, sparse)."""
     if isinstance(value, torch.Tensor):
         if not (type(value) is torch.Tensor or isinstance(value, FakeTensor)) or value.layout is not torch.strided:
             raise _Unsynthetic(type(value).__name__)
         shape, stride = tuple(value.shape), tuple(value.stride())
-        if not all(type(v) is int for v in (*shape, *stride)):
+        offset, nbytes = value.storage_offset(), value.untyped_storage().nbytes()
+        if not all(type(v) is int for v in (*shape, *stride, offset, nbytes)):
             raise _Unsynthetic("symbolic size")
-        return ("tensor", shape, stride, value.dtype, value.device)
+        return ("tensor", shape, stride, value.dtype, value.device, offset, nbytes)
     if isinstance(value, (list, tuple)):
         return type(value)(_described(v) for v in value)
     if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
@@ -405,25 +411,33 @@ def _scratch_measured(node: fx.Node) -> bool:
 
 
 def _synthetic(description: tuple, fills: dict[tuple, torch.Tensor] | None, own: bool = False) -> torch.Tensor:
-    """A real tensor of the description's shape, strides, dtype and device: normal floats (one
-    block drawn from a private generator, so the user's stream is untouched, and tiled: drawing
-    every element would cost more than the ops measured), zeros otherwise, so that indices
-    index the first element and masks select nothing. With no `fills`, a meta tensor.
+    """A real tensor of the description's shape, strides, dtype, device and storage (offset and
+    bytes): normal floats (one block drawn from a private generator, so the user's stream is
+    untouched, and tiled: drawing every element would cost more than the ops measured), zeros
+    otherwise, so that indices index the first element and masks select nothing. With no
+    `fills`, a meta tensor.
 
-    Unless `own`, the tensor is a view of one filled buffer per dtype and device (`fills`),
-    grown to the largest input asked for: filling every input afresh cost more than running
-    the ops, and inputs allocate nothing in the measured range either way. An op that writes
-    into its inputs gets tensors of its `own`, so what it writes reaches no other op's inputs."""
-    _, shape, stride, dtype, device = description
+    Unless `own`, the tensor's storage lies at the start of one filled buffer per dtype and
+    device (`fills`), grown to the largest storage asked for: filling every input afresh cost
+    more than running the ops, and inputs allocate nothing in the measured range either way. Its
+    storage is one of the description's bytes, not the buffer (a storage over the buffer's
+    memory that does not own it; the tensor holds the buffer), so that a kernel that allocates by
+    its input's storage allocates what it does in the step. An op that writes into its inputs
+    gets buffers of its `own`, so what it writes reaches no other op's inputs."""
+    _, shape, stride, dtype, device, offset, nbytes = description
     if fills is None:
-        return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-    extent = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) if all(shape) else 0
+        whole = torch.empty(-(-nbytes // dtype.itemsize), dtype=dtype, device="meta")
+        return whole.as_strided(shape, stride, offset)
+    elements = -(-nbytes // dtype.itemsize)
     base = None if own else fills.get((dtype, device))
-    if base is None or base.numel() < extent:
-        base = _filled(extent, dtype, device, fills)
+    if base is None or base.numel() < elements:
+        base = _filled(max(elements, 1), dtype, device, fills)
         if not own:
             fills[dtype, device] = base
-    return base[:extent].as_strided(shape, stride)
+    storage = torch._C._construct_storage_from_data_pointer(base.data_ptr(), base.device, nbytes)
+    tensor = torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape, stride)
+    tensor.synthetic_buffer = base  # the storage does not own its memory: the buffer lives as long as the tensor
+    return tensor
 
 
 def _filled(extent: int, dtype: torch.dtype, device: torch.device, fills: dict[tuple, torch.Tensor]) -> torch.Tensor:
@@ -476,17 +490,18 @@ def _first_device(signature: object) -> torch.device | None:
 def _on_device(description: object, device: torch.device | None) -> object:
     """A description (`_described`) of meta tensors with their device set to `device`."""
     if _is_tensor_description(description):
-        return (*description[:4], device)
+        return (*description[:4], device, *description[5:])
     if isinstance(description, (list, tuple)):
         return type(description)(_on_device(d, device) for d in description)
     return description
 
 
 def _run_synthetic(target: torch._ops.OpOverload, signature: tuple, fills: dict[tuple, torch.Tensor],
-                   label: str) -> object:
+                   label: str) -> tuple[object, object]:
     """Call `target` once on synthetic inputs inside `record_function(label)`, and describe
-    what it returned. The inputs are made before the range opens and everything is freed after
-    it closes, so the range holds the call's own allocations, its outputs among them."""
+    what it returned and the storages it allocated for it (`_fresh_storages`). The inputs are
+    made before the range opens and everything is freed after it closes, so the range holds
+    the call's own allocations, its outputs among them."""
     made: dict[int, torch.Tensor] = {}
     args, kwargs = _arguments(signature[1], made, fills, own=target._schema.is_mutable)
     sync = torch.cuda.synchronize if any(t.device.type == "cuda" for t in made.values()) else (lambda: None)
@@ -494,7 +509,23 @@ def _run_synthetic(target: torch._ops.OpOverload, signature: tuple, fills: dict[
     with record_function(label):
         result = target(*args, **kwargs)
         sync()  # scratch is freed in stream order: the call is over once the device is
-    return _described(result)
+    inputs = {t.untyped_storage().data_ptr() for t in made.values()}
+    return _described(result), _fresh_storages(result, inputs)
+
+
+def _fresh_storages(result: object, inputs: set[int]) -> object:
+    """`result` with each tensor replaced by the bytes the allocator gave its storage
+    (`rkgraph.build.storage_bytes`), and by None where it is no tensor or lives in one of the
+    `inputs`' storages (by address). A kernel may allocate more than its output's shape needs
+    and shrink it (the CPU EmbeddingBag's offset-to-bag map, one element longer): the storage
+    keeps the bytes, and the fake tensor the graph was built from does not show them."""
+    if isinstance(result, torch.Tensor):
+        if result.layout is not torch.strided or result.untyped_storage().data_ptr() in inputs:
+            return None
+        return storage_bytes(result)
+    if isinstance(result, (list, tuple)):
+        return [_fresh_storages(r, inputs) for r in result]
+    return None
 
 
 def measure_op_scratch(graph: RematGraph, joint: fx.GraphModule, nodes: Iterable[str] | None = None) -> None:
@@ -530,6 +561,38 @@ def measure_op_scratch(graph: RematGraph, joint: fx.GraphModule, nodes: Iterable
 
     for node in wanted:
         node.workspace += max((scratch(name) for name in node.fx_nodes), default=0)
+    _grow_to_real_storages(graph, joint, signatures, wanted)
+
+
+def _grow_to_real_storages(graph: RematGraph, joint: fx.GraphModule, signatures: dict[str, tuple],
+                           wanted: list[ComputeNode]) -> None:
+    """Give each data node an op made the bytes the op's real kernel allocated for it, where
+    they exceed what its fake tensor says (`_fresh_storages`): a step holds the real storage
+    as long as the value, and a plan on the fake size overruns its budget by the difference.
+    Every data node: a variant's (`lean_variant`) come from building, not from its reference.
+    A value that lives inside its node (no data node) adds the difference to the workspace of
+    the nodes in `wanted`, those whose scratch is measured here."""
+    fx_nodes = {n.name: n for n in joint.graph.nodes}
+    group_of = {fx_name: node for node in graph.nodes for fx_name in node.fx_nodes}
+    wanted_names = {node.name for node in wanted}
+    for name, signature in signatures.items():
+        measured = _op_scratch.get(signature)
+        if measured is None or measured[2] is None:
+            continue
+        op, real = fx_nodes[name], measured[2]
+        if isinstance(real, list):  # one value per returned tensor, each read by a getitem
+            values = [(user.name, real[user.args[1]]) for user in op.users if user.target is operator.getitem]
+        else:
+            values = [(name, real)]
+        for value, real_bytes in values:
+            val = fx_nodes[value].meta.get("val")
+            if real_bytes is None or not isinstance(val, torch.Tensor) or real_bytes <= storage_bytes(val):
+                continue
+            data = graph.data.get(value)
+            if data is not None and data.producer is not None:
+                data.size = max(data.size, real_bytes)
+            elif data is None and (node := group_of.get(name)) is not None and node.name in wanted_names:
+                node.workspace += real_bytes - storage_bytes(val)
 
 
 def synthetic_times(graph: RematGraph, joint: fx.GraphModule, nodes: Iterable[str],
@@ -653,22 +716,23 @@ def _run_ops(joint: fx.GraphModule, device: torch.device, recorded: dict[tuple, 
                 args, kwargs = _arguments(signature[1], {}, None)
                 with contextlib.suppress(Exception):  # no meta kernel: run as the other ops are
                     _op_scratch[signature] = (0, _on_device(_described(node.target(*args, **kwargs)),
-                                                           _first_device(signature[1])))
+                                                           _first_device(signature[1])), None)
             if signature not in _op_scratch:
                 label = next(labels)
+                storages = None
                 try:
-                    returned = _run_synthetic(node.target, signature, fills, label)
+                    returned, storages = _run_synthetic(node.target, signature, fills, label)
                     recorded[signature] = label
                 except Exception as e:  # noqa: BLE001  (any failure: not measurable, as documented)
                     log.debug("scratch of %s not measured on synthetic inputs: %s", node.target, e)
                     returned = fake(node)
-                _op_scratch[signature] = (None, returned)
+                _op_scratch[signature] = (None, returned, storages)
             described[node.name] = _op_scratch[signature][1]
     for signature, label in recorded.items():
         span = events.ranges.get(label)
         if span is not None:
             peak, current = events.replay(*span)
-            _op_scratch[signature] = (max(peak - max(current, 0), 0), _op_scratch[signature][1])
+            _op_scratch[signature] = (max(peak - max(current, 0), 0), *_op_scratch[signature][1:])
     return signatures
 
 

@@ -380,13 +380,13 @@ def test_cuda_storages_are_counted_in_the_allocators_blocks() -> None:
     blocks; a CPU storage is its bytes. Fake CUDA tensors need no GPU."""
     from torch._subclasses import FakeTensorMode
 
-    from rkgraph.build import _tensor_bytes
+    from rkgraph.build import storage_bytes
 
     with FakeTensorMode():
         sizes = [torch.empty(n, device="cuda") for n in (0, 3, 128, 129)]
         cpu = torch.empty(3)
-    assert [_tensor_bytes(t) for t in sizes] == [0, 512, 512, 1024]
-    assert _tensor_bytes(cpu) == 12
+    assert [storage_bytes(t) for t in sizes] == [0, 512, 512, 1024]
+    assert storage_bytes(cpu) == 12
 
 
 def test_a_language_models_layers_are_blocks_of_their_own() -> None:

@@ -17,7 +17,7 @@ import torch.utils._pytree as pytree
 
 import rkgraph
 from rkgraph import profile as rkprofile
-from rkgraph.build import is_random
+from rkgraph.build import is_random, storage_bytes
 from rkgraph.capture import flat_tensors, flatten_call
 from rockplan import Rockmate, zoo
 from rockplan.memory import measure_step
@@ -147,3 +147,78 @@ def test_assertions_are_not_run_and_draws_leave_the_user_s_generator(monkeypatch
     assert not any("assert" in str(target) for target in calls), calls
     draws = {n.target for n in joint.module.graph.nodes if n.op == "call_function" and is_random(n)}
     assert draws and draws <= set(calls), (draws, calls)
+
+
+class _Bags(torch.nn.Module):
+    """Bags of token embeddings (their mean) and a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bags, self.head = torch.nn.EmbeddingBag(1000, 64, mode="mean"), torch.nn.Linear(64, 10)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.head(self.bags(ids)), labels)
+
+
+class _Folds(torch.nn.Module):
+    """Columns projected and folded back into a sequence (`nn.Fold`, as ConvBERT's span convolution)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.project, self.fold = torch.nn.Linear(16, 144), torch.nn.Fold((64, 1), (9, 1), padding=(4, 0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        folded = self.fold(self.project(x).transpose(1, 2))
+        return (folded * folded).tanh().mean()
+
+
+@pytest.mark.parametrize("case", ["embedding bag", "fold"])
+def test_values_count_the_bytes_their_kernel_allocated_not_their_shape_s(case: str) -> None:
+    """A kernel may allocate more than its output's shape needs, and the step holds the storage
+    as long as the value: the CPU EmbeddingBag's offset-to-bag map (saved for the backward) is
+    allocated one element longer and shrunk, and the CPU fold (col2im) returns its output in a
+    storage of its input's size, nine times its own here. The value's data node has the
+    kernel's bytes, and the step measures what its plan predicts (the fold's overran its plan
+    by 42% when the graph had its shape's bytes)."""
+    torch.manual_seed(0)
+    model, args = ((_Bags(), (torch.randint(0, 1000, (4, 64)), torch.randint(0, 10, (4,)))) if case == "embedding bag"
+                   else (_Folds(), (torch.randn(8, 64, 16),)))
+    rk = Rockmate(model, args, 1.0, profile="estimate")
+    fx_nodes = {n.name: n for n in rk.plan.joint.module.graph.nodes}
+    grown = {name: (data.size, storage_bytes(fx_nodes[name].meta["val"])) for name, data in rk.graph.data.items()
+             if data.producer is not None and data.size != storage_bytes(fx_nodes[name].meta["val"])}
+    assert len(grown) == 1 and all(real > shaped for real, shaped in grown.values()), grown
+    measure_step(lambda m: m(*args).backward(), rk)  # warm-up: lazy allocations are not the step's
+    rk.zero_grad(set_to_none=True)
+    planned = measure_step(lambda m: m(*args).backward(), rk)
+    assert planned.peak == rk.schedule.predicted_peak <= rk.budget
+
+
+class _NestedAssignment(torch.nn.Module):
+    """An assignment into a view of a view of an activation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.project = torch.nn.Linear(32, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.project(x)
+        out = torch.zeros_like(hidden)
+        out[:, 0][:, :32] = hidden[:, 0, :32]
+        return ((out + hidden) ** 2).tanh().mean()
+
+
+def test_a_scatter_into_a_view_has_its_base_s_bytes() -> None:
+    """Functionalized, the assignment scatters into the view (`slice_scatter` of a `select`),
+    whose kernel clones the view's whole storage, its base's, where the fake tensor has the
+    view's shape: the data node has the base's bytes (the synthetic input has the base's
+    storage, not the probe's shared buffer)."""
+    torch.manual_seed(0)
+    joint = rkgraph.capture_joint(_NestedAssignment(), (torch.randn(8, 128, 32),))
+    graph = rkgraph.build_graph(joint)
+    rkprofile._op_scratch.clear()
+    rkgraph.measure_op_scratch(graph, joint.module)
+    (scatter,) = [n for n in joint.module.graph.nodes if n.target is torch.ops.aten.slice_scatter.default]
+    base_bytes = scatter.args[0].meta["val"].untyped_storage().nbytes()
+    assert base_bytes == 8 * 128 * 64 * 4 > storage_bytes(scatter.meta["val"])
+    assert graph.data[scatter.name].size == base_bytes
