@@ -68,8 +68,16 @@ class _Family:
             last_forward = max((i for i in reads if i < self.nf), default=made)
             if d not in required and not graph.node(dn.producer).random and min(backward_reads) > last_forward + 1:
                 self.gaps[d] = (last_forward, min(backward_reads))
-        self.absent_at = [[d for d, (last, first) in self.gaps.items() if last < t < first]
-                          for t in range(len(graph.nodes))]
+        # The steps cut into runs over which the same values are absent (a run starts where a
+        # gap opens or closes): the model needs one memory row per run, not per step, and on a
+        # deep graph the values absent at each step, listed step by step, run to millions.
+        cuts = sorted({0, len(graph.nodes), *(c for last, first in self.gaps.values() for c in (last + 1, first))})
+        self.runs = [(start, end) for start, end in zip(cuts, cuts[1:]) if start < end]
+        self.run_of = [i for i, (start, end) in enumerate(self.runs) for _ in range(start, end)]
+        self.absent_in: list[list[str]] = [[] for _ in self.runs]
+        for d, (last, first) in self.gaps.items():
+            for i in range(self.run_of[last + 1], self.run_of[first - 1] + 1):
+                self.absent_in[i].append(d)
         self.store_all_steps = self._store_all_steps()
 
     def _store_all_steps(self) -> list[int]:
@@ -98,8 +106,9 @@ class _Family:
                     b.row([saved[x], again[producer], again[v.name]], [1, 1, -1], 0, math.inf)
                 elif x in self.forward_only:
                     b.row([again[producer], again[v.name]], [1, -1], 0, math.inf)
-        for t, absent in enumerate(self.absent_at):
-            over = self.store_all_steps[t] - memory[t]
+        for (start, end), absent in zip(self.runs, self.absent_in, strict=True):
+            # The run's most binding step: its row implies the others' (the same values).
+            over = max(self.store_all_steps[t] - memory[t] for t in range(start, end))
             if over <= 0:
                 continue
             sizes = [graph.data[d].size for d in absent]
@@ -119,7 +128,8 @@ class _Family:
 
     def modelled(self, t: int, saved: set[str]) -> int:
         """The model's memory at step t for the values `saved`."""
-        return self.store_all_steps[t] - sum(self.graph.data[d].size for d in self.absent_at[t] if d not in saved)
+        absent = self.absent_in[self.run_of[t]]
+        return self.store_all_steps[t] - sum(self.graph.data[d].size for d in absent if d not in saved)
 
     def schedule(self, saved: set[str]) -> Schedule:
         """Forward once; at the boundary the unsaved values go; the backward remakes what it
