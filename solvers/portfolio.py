@@ -277,12 +277,16 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
             candidates += searched
             # The same searches in other backward orders, where autograd's holds a branch's gradient
             # long: searched further only where the quick searches find faster schedules in them.
+            # Each within the time left where something fits already: on a graph of thousands of
+            # nodes the first pass takes most of the limit, and the others would double it.
             quick = min((s.predicted_time for s in searched if s.solver in QUICK_SEARCHES), default=math.inf)
             for after in (False, True):
-                if searching() and (other := delayed_branches(graph, after)) is not None:
+                share = REORDERED_SHARE * min(heuristics_time, 0.8 * time_limit)
+                if candidates:
+                    share = min(share, time_limit - (time.perf_counter() - start))
+                if searching() and share > 0 and (other := delayed_branches(graph, after)) is not None:
                     reordered = in_graph_order(graph, heuristic_candidates(
-                        other, budget, time_limit=REORDERED_SHARE * min(heuristics_time, 0.8 * time_limit),
-                        good_enough=floor * (1 + gap), to_beat=quick))
+                        other, budget, time_limit=share, good_enough=floor * (1 + gap), to_beat=quick))
                     searched += reordered
                     candidates += reordered
         if candidates:

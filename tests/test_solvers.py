@@ -6,6 +6,7 @@ import contextlib
 import gc
 import itertools
 import math
+import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -416,6 +417,31 @@ def test_the_portfolio_runs_a_residual_blocks_shortcut_backward_beside_its_main_
     assert plan.predicted_time <= floor * 1.01
 
 
+@pytest.mark.parametrize("first_pass", ["quick", "spends the limit"])
+def test_the_other_orders_are_searched_within_the_time_left(first_pass: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a schedule fits, the searches in other backward orders get the time the limit has
+    left, none once it is spent: on a graph of thousands of nodes the first search takes most
+    of the limit, and the others doubled it. (A floor far below any plan keeps it searching.)"""
+    model, args, kwargs, _ = zoo.make("resnet", "tiny")
+    graph = rkgraph.capture(model, args, kwargs)
+    budget = int(1.05 * min_feasible_budget(graph))
+    limit = 10.0
+    passes: list[float] = []
+    search = portfolio.heuristic_candidates
+
+    def spied(*args: object, time_limit: float, **kwargs: object) -> list:
+        passes.append(time_limit)
+        found = search(*args, time_limit=time_limit, **kwargs)
+        if first_pass == "spends the limit" and len(passes) == 1:
+            time.sleep(limit)
+        return found
+
+    monkeypatch.setattr(portfolio, "heuristic_candidates", spied)
+    plan = portfolio.solve_rockmate(graph, budget, time_limit=limit, floor=(1e-9, "a floor far below any plan"))
+    assert simulate(graph, plan, budget).peak <= budget
+    assert len(passes) == (3 if first_pass == "quick" else 1), passes
+
+
 @FAST
 @given(seed=st.integers(0, 10**6))
 def test_the_in_order_floor_never_exceeds_the_least_peak_in_that_order(seed: int) -> None:
@@ -749,6 +775,23 @@ def test_saved_values_runs_the_forward_once_and_fits(seed: int, fraction: float)
     assert time_lower_bound(graph, budget)[0] <= s.predicted_time + 1e-9
     if fraction == 1:
         assert s.predicted_time == store_all.predicted_time and s.extra["dropped"] == 0
+
+
+@FAST
+@given(seed=st.integers(0, 10**6))
+def test_saved_values_model_has_one_memory_row_per_run_of_steps_missing_the_same_values(seed: int) -> None:
+    """A value the backward reads is missing strictly between its last forward read and its
+    first backward read unless saved; the steps between two such ends miss the same values,
+    so the model writes one row per run of them, not one per step (on a deep recurrent graph,
+    a third of the rows and coefficients)."""
+    graph = random_training_graph(seed)
+    family = saved_values._Family(graph)
+    for t in range(len(graph.nodes)):
+        start, end = family.runs[family.run_of[t]]
+        assert start <= t < end
+        assert set(family.absent_in[family.run_of[t]]) == {d for d, (last, first) in family.gaps.items()
+                                                             if last < t < first}
+    assert [start for start, _ in family.runs] == sorted({start for start, _ in family.runs})
 
 
 @settings(max_examples=60, deadline=None)
