@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -237,10 +238,71 @@ def time_lower_bound(graph: RematGraph, budget: int, steps: int | None = None, c
     fraction of the time. Without `intervals`, no interval MILP: a planner asks for it only once
     its search ends above the floor without it (`solvers.portfolio`), since it costs up to
     INTERVAL_TIME and a plan that meets the cheaper floor needs no tighter one."""
+    # Each stage is proven once per graph, budget and costs: a planner asks for the knapsacks'
+    # floor, then the closure's, and the portfolio for the intervals' where its search ends
+    # above, and on a graph of thousands of nodes the knapsacks alone take seconds.
+    settings = (CLOSURE_STEPS, CLOSURE_TIME, INTERVAL_MOMENTS, INTERVAL_TIME)
+    proof = _proofs(graph).setdefault((budget, steps, settings, _costs(graph)), {})
+    if "knapsacks" not in proof:
+        proof["knapsacks"] = _knapsack_floor(graph, budget, steps)
+    context = proof["knapsacks"]
+    best, why = context.best, context.why
+    if context.settled:
+        return context.base + best, why
+    if closure:
+        if "closure" not in proof:
+            proof["closure"] = _closure_floor(graph, context)
+        best, why = max((best, why), proof["closure"], key=lambda proven: proven[0])
+    if closure and intervals and best > 0:
+        if "intervals" not in proof:
+            proof["intervals"] = _interval_floor(graph, budget, context)
+        if proof["intervals"][0] > best:
+            best, why = proof["intervals"]
+    return context.base + best, why
+
+
+@dataclass
+class _KnapsackFloor:
+    """`time_lower_bound`'s first stage, and what its later stages reuse."""
+
+    base: float  # every needed node once
+    best: float  # the extra time the knapsacks prove
+    why: str
+    settled: bool  # storing everything fits: no stage can prove more
+    needed: list[str] = field(default_factory=list)
+    ancestors: list[int] = field(default_factory=list)
+    descendants: list[int] = field(default_factory=list)
+    floors: dict = field(default_factory=dict)
+    held: set[str] = field(default_factory=set)
+    readers: dict[str, int] = field(default_factory=dict)
+    rated: list[tuple[float, str, int, bool]] = field(default_factory=list)
+
+
+def _proofs(graph: RematGraph) -> dict:
+    """The floors proven for `graph` (`time_lower_bound`), held as long as the graph is."""
+    held = _PROOFS.get(id(graph))
+    if held is None or held[0]() is not graph:
+        key = id(graph)
+        held = _PROOFS[key] = (weakref.ref(graph, lambda _: _PROOFS.pop(key, None)), {})
+    return held[1]
+
+
+_PROOFS: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def _costs(graph: RematGraph) -> tuple:
+    """What a profile sets on a graph, and its floors depend on: nodes' times and workspaces,
+    values' bytes."""
+    return (tuple(node.time for node in graph.nodes), tuple(node.workspace for node in graph.nodes),
+            tuple(data.size for data in graph.data.values()))
+
+
+def _knapsack_floor(graph: RematGraph, budget: int, steps: int | None) -> _KnapsackFloor:
+    """The knapsacks' stage of `time_lower_bound` (see there)."""
     needed = needed_nodes(graph)
     base = sum(graph.node(name).time for name in needed)
     if solve_store_all(graph).predicted_peak <= budget:  # nothing need be made again: the knapsacks agree
-        return base, "every needed node runs once"
+        return _KnapsackFloor(base, 0.0, "every needed node runs once", settled=True)
     ancestors = _ancestors(graph)
     descendants = _descendants(graph)
     floors = _step_floors(graph, ancestors)
@@ -260,7 +322,8 @@ def time_lower_bound(graph: RematGraph, budget: int, steps: int | None = None, c
         random = live_across.random[producers]  # runs once: its outputs must stay
         slack = budget - floor - int(weights[random].sum())
         if slack < 0:
-            return math.inf, f"node {name}: the outputs of random nodes its descendants read do not fit"
+            return _KnapsackFloor(base, math.inf, f"node {name}: the outputs of random nodes its descendants read "
+                                  "do not fit", settled=True)
         times, weights = live_across.time[producers[~random]], weights[~random]
         total = sum(times.tolist())
         # What a greedy packing keeps is kept by the best packing too: where even its extra is
@@ -279,27 +342,42 @@ def time_lower_bound(graph: RematGraph, budget: int, steps: int | None = None, c
             best = extra
             why = (f"at node {_named(graph, name)} only {format_bytes(max(0, room))} are left for the "
                    "values its descendants read: the rest must be recomputed")
+    return _KnapsackFloor(base, best, why, False, needed, ancestors, descendants, floors, held, readers, rated)
+
+
+def _closure_floor(graph: RematGraph, proven: _KnapsackFloor) -> tuple[float, str]:
+    """The closure MILPs' stage of `time_lower_bound`, at the moments the knapsacks rate tightest."""
+    best, why = 0.0, ""
+    ancestors, held = proven.ancestors, proven.held
     deadline = time.perf_counter() + CLOSURE_TIME
-    for extra, name, room, _ in sorted(rated, reverse=True)[:CLOSURE_STEPS if closure else 0]:
+    for extra, name, room, _ in sorted(proven.rated, reverse=True)[:CLOSURE_STEPS]:
         left = deadline - time.perf_counter()
         if extra <= 0 or left <= 0:  # where every value fits, so do the inputs of none remade
             break
         alive = set(_alive_at(graph, graph.node(name), ancestors)) | held
-        remade = _remaking_time(graph, name, room, alive, ancestors, descendants, readers, left)
+        remade = _remaking_time(graph, name, room, alive, ancestors, proven.descendants, proven.readers,
+                                left)
         if remade > best:
             best = remade
             why = (f"at node {_named(graph, name)} only {format_bytes(max(0, room))} are left for the "
                    "values its descendants read and the inputs of those made again: the rest must be "
                    "recomputed")
-    moments = _moment_chain(graph, floors, ancestors, budget) if closure and intervals and best > 0 else []
+    return best, why
+
+
+def _interval_floor(graph: RematGraph, budget: int, proven: _KnapsackFloor) -> tuple[float, str]:
+    """The interval MILP's stage of `time_lower_bound`, over a chain of moments."""
+    best, why = 0.0, ""
+    moments = _moment_chain(graph, proven.floors, proven.ancestors, budget)
     if moments:
-        remade = _interval_remaking_time(graph, budget, moments, floors, ancestors, needed, INTERVAL_TIME)
+        remade = _interval_remaking_time(graph, budget, moments, proven.floors, proven.ancestors, proven.needed,
+                                         INTERVAL_TIME)
         if remade > best:
             best = remade
             why = (f"at the {len(moments)} nodes {_named(graph, moments[0])} to {_named(graph, moments[-1])}, "
                    "run in turn, the values kept from one to the next must fit beside each: the rest must "
                    "be recomputed")
-    return base + best, why
+    return best, why
 
 
 def _named(graph: RematGraph, name: str) -> str:

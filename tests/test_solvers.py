@@ -417,6 +417,27 @@ def test_the_portfolio_runs_a_residual_blocks_shortcut_backward_beside_its_main_
     assert plan.predicted_time <= floor * 1.01
 
 
+def test_a_floor_asked_again_reuses_the_stages_proven(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A planner asks for the knapsacks' floor, then the closure's, and the portfolio for the
+    intervals': each stage is proven once for a graph, budget and costs, and the floors are
+    those proven afresh. New costs (a profile) are proven anew."""
+    model, args, kwargs, _ = zoo.make("resnet", "tiny")
+    graph = rkgraph.capture(model, args, kwargs)
+    budget = int(0.6 * solve_store_all(graph).predicted_peak)
+    fresh = [time_lower_bound(graph, budget, closure=False), time_lower_bound(graph, budget, intervals=False),
+             time_lower_bound(graph, budget)]
+    bounds._PROOFS.clear()
+    proven = []
+    knapsacks = bounds._knapsack_floor
+    monkeypatch.setattr(bounds, "_knapsack_floor", lambda *args: proven.append(args) or knapsacks(*args))
+    again = [time_lower_bound(graph, budget, closure=False), time_lower_bound(graph, budget, intervals=False),
+             time_lower_bound(graph, budget)]
+    assert again == fresh and len(proven) == 1
+    assert fresh[0][0] <= fresh[1][0] <= fresh[2][0]
+    graph.nodes[0].time *= 2
+    assert time_lower_bound(graph, budget, closure=False)[0] > fresh[0][0] and len(proven) == 2
+
+
 @pytest.mark.parametrize("first_pass", ["quick", "spends the limit"])
 def test_the_other_orders_are_searched_within_the_time_left(first_pass: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Once a schedule fits, the searches in other backward orders get the time the limit has
