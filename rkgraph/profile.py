@@ -434,10 +434,16 @@ def _synthetic(description: tuple, fills: dict[tuple, torch.Tensor] | None, own:
         base = _filled(max(elements, 1), dtype, device, fills)
         if not own:
             fills[dtype, device] = base
-    storage = torch._C._construct_storage_from_data_pointer(base.data_ptr(), base.device, nbytes)
+    if _storage_over is None:  # a torch without it: a view of the buffer, whose storage is the buffer's
+        return base.as_strided(shape, stride, offset)
+    storage = _storage_over(base.data_ptr(), base.device, nbytes)
     tensor = torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape, stride)
     tensor.synthetic_buffer = base  # the storage does not own its memory: the buffer lives as long as the tensor
     return tensor
+
+
+# A storage over memory it does not own (what inductor's CUDA graph trees use), private to torch.
+_storage_over = getattr(torch._C, "_construct_storage_from_data_pointer", None)
 
 
 def _filled(extent: int, dtype: torch.dtype, device: torch.device, fills: dict[tuple, torch.Tensor]) -> torch.Tensor:
