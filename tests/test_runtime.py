@@ -215,6 +215,31 @@ def test_parameters_identical_after_three_optimizer_steps(name: str) -> None:
         torch.testing.assert_close(x, y, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name", ["gpt", "resnet"])
+def test_gradients_accumulated_over_micro_batches_are_eager_s_within_the_budget(name: str) -> None:
+    """Gradient accumulation, as users short of memory train: micro-batches stepped without
+    zeroing the gradients between them. Autograd adds each returned gradient into `.grad`:
+    every micro-batch's step keeps its budget, those after the first with the gradients held
+    already, and the sums are eager's."""
+    model, args, kwargs, loss_fn = zoo.make(name, "tiny")
+    model = zoo.WithLoss(model, loss_fn)  # the loss inside the budget
+    reference = copy.deepcopy(model)
+    rk = Rockmate(model, (args, kwargs), 0.6, profile="estimate", solver_options=SOLVER_OPTIONS)
+
+    def micro_batch(module: torch.nn.Module) -> None:
+        module(*args, **kwargs).backward()
+
+    peaks = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        peaks.append(measure_step(micro_batch, rk).peak)
+        torch.manual_seed(seed)
+        micro_batch(reference)
+    assert max(peaks) <= rk.budget, peaks
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)  # the fused loss's rewrite rounds otherwise
+
+
 def test_recomputed_dropout_reproduces_its_mask() -> None:
     model, args, kwargs, _ = zoo.make("gpt", "tiny")
     reference = copy.deepcopy(model)
