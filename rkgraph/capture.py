@@ -33,7 +33,6 @@ import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 from torch import fx
 from torch._functorch.aot_autograd import aot_function, make_boxed_compiler, make_boxed_func
-from torch._functorch.partitioners import default_partition
 from torch._subclasses import FakeTensor, FakeTensorMode
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.func import functional_call
@@ -440,7 +439,8 @@ def training_function(
 
 class _Traced(Exception):
     """Raised by a compiled forward called inside `trace`: the step is traced, planned and
-    compiled, and AOTAutograd holds the compiled step; what is left is running it on fakes."""
+    compiled, and AOTAutograd holds the compiled step; what is left is running it on fakes.
+    Or by a partition function that wants the joint graph only (`trace_joint`)."""
 
 
 _IN_TRACE: contextvars.ContextVar[bool] = contextvars.ContextVar("rkgraph_in_trace", default=False)
@@ -717,7 +717,8 @@ def trace(
         except _Traced:
             pass
         except _PlanningFailed as e:
-            raise e.__cause__ from None
+            if not isinstance(e.__cause__, _Traced):  # else the partition function stopped it: traced
+                raise e.__cause__ from None
         except (CaptureError, ValueError, TypeError):
             raise
         except Exception as e:  # tracing failures: name the op and the user's line
@@ -781,7 +782,7 @@ def trace_joint(model: torch.nn.Module, args: Any, kwargs: dict | None = None) -
 
     def record(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kw: Any):
         recorded.append(joint_graph(flat, joint, num_fwd_outputs))
-        return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
+        raise _Traced()  # the joint graph is all that is wanted: not partitioned, nor compiled
 
     trace(model, flat, training_function(model, flat, record), args, kwargs)
     return recorded[0]
