@@ -178,8 +178,7 @@ def test_values_count_the_bytes_their_kernel_allocated_not_their_shape_s(case: s
     as long as the value: the CPU EmbeddingBag's offset-to-bag map (saved for the backward) is
     allocated one element longer and shrunk, and the CPU fold (col2im) returns its output in a
     storage of its input's size, nine times its own here. The value's data node has the
-    kernel's bytes, and the step measures what its plan predicts (the fold's overran its plan
-    by 42% when the graph had its shape's bytes)."""
+    kernel's bytes, and the step measures what its plan predicts."""
     torch.manual_seed(0)
     model, args = ((_Bags(), (torch.randint(0, 1000, (4, 64)), torch.randint(0, 10, (4,)))) if case == "embedding bag"
                    else (_Folds(), (torch.randn(8, 64, 16),)))

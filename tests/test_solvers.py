@@ -803,8 +803,7 @@ def test_saved_values_runs_the_forward_once_and_fits(seed: int, fraction: float)
 def test_saved_values_model_has_one_memory_row_per_run_of_steps_missing_the_same_values(seed: int) -> None:
     """A value the backward reads is missing strictly between its last forward read and its
     first backward read unless saved; the steps between two such ends miss the same values,
-    so the model writes one row per run of them, not one per step (on a deep recurrent graph,
-    a third of the rows and coefficients)."""
+    so the model writes one row per run of them, not one per step."""
     graph = random_training_graph(seed)
     family = saved_values._Family(graph)
     for t in range(len(graph.nodes)):
