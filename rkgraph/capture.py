@@ -549,6 +549,8 @@ def _planning_step(fn: Callable) -> Callable:
     def run(*a: Any, **kw: Any) -> Any:
         try:
             return fn(*a, **kw)
+        except _Traced:  # not an error: the step stops there (`trace_joint`)
+            raise
         except Exception as e:
             raise _PlanningFailed() from e
 
@@ -717,8 +719,7 @@ def trace(
         except _Traced:
             pass
         except _PlanningFailed as e:
-            if not isinstance(e.__cause__, _Traced):  # else the partition function stopped it: traced
-                raise e.__cause__ from None
+            raise e.__cause__ from None
         except (CaptureError, ValueError, TypeError):
             raise
         except Exception as e:  # tracing failures: name the op and the user's line

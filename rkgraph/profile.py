@@ -425,10 +425,9 @@ def _synthetic(description: tuple, fills: dict[tuple, torch.Tensor] | None, own:
     its input's storage allocates what it does in the step. An op that writes into its inputs
     gets buffers of its `own`, so what it writes reaches no other op's inputs."""
     _, shape, stride, dtype, device, offset, nbytes = description
-    if fills is None:
-        whole = torch.empty(-(-nbytes // dtype.itemsize), dtype=dtype, device="meta")
-        return whole.as_strided(shape, stride, offset)
     elements = -(-nbytes // dtype.itemsize)
+    if fills is None:
+        return torch.empty(elements, dtype=dtype, device="meta").as_strided(shape, stride, offset)
     base = None if own else fills.get((dtype, device))
     if base is None or base.numel() < elements:
         base = _filled(max(elements, 1), dtype, device, fills)
@@ -567,18 +566,18 @@ def measure_op_scratch(graph: RematGraph, joint: fx.GraphModule, nodes: Iterable
 
     for node in wanted:
         node.workspace += max((scratch(name) for name in node.fx_nodes), default=0)
-    _grow_to_real_storages(graph, joint, signatures, wanted)
+    _grow_to_real_storages(graph, fx_nodes, signatures, wanted)
 
 
-def _grow_to_real_storages(graph: RematGraph, joint: fx.GraphModule, signatures: dict[str, tuple],
+def _grow_to_real_storages(graph: RematGraph, fx_nodes: dict[str, fx.Node], signatures: dict[str, tuple],
                            wanted: list[ComputeNode]) -> None:
     """Give each data node an op made the bytes the op's real kernel allocated for it, where
     they exceed what its fake tensor says (`_fresh_storages`): a step holds the real storage
     as long as the value, and a plan on the fake size overruns its budget by the difference.
     Every data node: a variant's (`lean_variant`) come from building, not from its reference.
     A value that lives inside its node (no data node) adds the difference to the workspace of
-    the nodes in `wanted`, those whose scratch is measured here."""
-    fx_nodes = {n.name: n for n in joint.graph.nodes}
+    the nodes in `wanted`, those whose scratch is measured here. `fx_nodes`: the joint graph's
+    nodes by name."""
     group_of = {fx_name: node for node in graph.nodes for fx_name in node.fx_nodes}
     wanted_names = {node.name for node in wanted}
     for name, signature in signatures.items():
@@ -592,13 +591,13 @@ def _grow_to_real_storages(graph: RematGraph, joint: fx.GraphModule, signatures:
             values = [(name, real)]
         for value, real_bytes in values:
             val = fx_nodes[value].meta.get("val")
-            if real_bytes is None or not isinstance(val, torch.Tensor) or real_bytes <= storage_bytes(val):
+            if real_bytes is None or not isinstance(val, torch.Tensor) or real_bytes <= (shaped := storage_bytes(val)):
                 continue
             data = graph.data.get(value)
             if data is not None and data.producer is not None:
                 data.size = max(data.size, real_bytes)
             elif data is None and (node := group_of.get(name)) is not None and node.name in wanted_names:
-                node.workspace += real_bytes - storage_bytes(val)
+                node.workspace += real_bytes - shaped
 
 
 def synthetic_times(graph: RematGraph, joint: fx.GraphModule, nodes: Iterable[str],
