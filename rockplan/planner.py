@@ -160,14 +160,14 @@ def plan(joint: JointGraph, budget: int | float | str, options: PlanOptions = Pl
     failure: Exception | None = None
     considered: dict[str, float | str] = {}
     progress.stage("solve")
-    floor, settled = _settled_by_lean_variant(graph, reference, budget, options, lean)
+    floor, settled, proving = _settled_by_lean_variant(graph, reference, budget, options, lean)
     if settled is not None:
         # No plan of autograd's graph can beat the lean variant's: it is not solved.
         considered["autograd's graph"] = settled
         chosen = (lean.joint, lean.graph, lean.schedule)
     else:
         try:
-            chosen = (joint, graph, _solve(graph, budget, options, floor, held))
+            chosen = (joint, graph, _solve(graph, budget, options, floor, held, spent=proving))
         except (InfeasibleBudget, PlanMismatch) as e:
             failure = e
     # A plan file that matched autograd's graph leaves nothing to choose.
@@ -236,27 +236,31 @@ def _memory_floor(graph: RematGraph, options: PlanOptions) -> int:
 
 
 def _settled_by_lean_variant(graph: RematGraph, reference: Schedule, budget: int, options: PlanOptions,
-                             lean: _LeanVariant) -> tuple[tuple[float, str] | None, str | None]:
+                             lean: _LeanVariant) -> tuple[tuple[float, str] | None, str | None, float]:
     """(autograd's graph's proven floor within `budget`, for its solve; why that graph needs no
-    solve, or None). When its floor shows that every plan of autograd's graph recomputes, the
-    lean variant is planned whatever autograd's plan is, and runs when faster: a lean plan
-    faster than the floor wins, and autograd's graph is not solved. The knapsacks' floor is
-    tried first (`time_lower_bound` without `closure`: it often settles it, sooner), then the
-    full one. (None, None) where this cannot happen: a plan file, no lean variant asked for,
+    solve, or None; the seconds its proofs took, the lean variant's work left out). When its
+    floor shows that every plan of autograd's graph recomputes, the lean variant is planned
+    whatever autograd's plan is, and runs when faster: a lean plan faster than the floor wins,
+    and autograd's graph is not solved. The knapsacks' floor is tried first (`time_lower_bound`
+    without `closure`: it often settles it, sooner), then the full one. (None, None, 0) where
+    this cannot happen: a plan file, no lean variant asked for,
     store-all fits, a solver that takes no floor, a budget below what the portfolio's solvers
     reach (`bounds.reachable_floor`: the solver refuses it at once)."""
     if (options.plan_file is not None or not options.lean_variant or reference.predicted_peak <= budget
             or "floor" not in solver_options(options.solver)):
-        return None, None
+        return None, None, 0.0
     if budget < reachable_floor(graph)[0]:  # the solver refuses at once: no floor to prove for it
-        return None, None
+        return None, None, 0.0
+    proving = 0.0
     for closure in (False, True):
+        started = time.perf_counter()
         floor = time_lower_bound(graph, budget, closure=closure, intervals=False)
+        proving += time.perf_counter() - started
         if (floor[0] > reference.predicted_time and lean.solved(below=floor[0]) and lean.schedule is not None
                 and lean.schedule.predicted_time < floor[0] * (1 - SETTLING_MARGIN)):
             return floor, ("no plan within the budget" if math.isinf(floor[0]) else
-                           f"not solved: its proven floor, {floor[0]:.3f} s, is above the lean variant's plan")
-    return floor, None
+                           f"not solved: its proven floor, {floor[0]:.3f} s, is above the lean variant's plan"), proving
+    return floor, None, proving
 
 
 class _LeanVariant:
@@ -272,6 +276,7 @@ class _LeanVariant:
         self.joint: JointGraph | None = None
         self.graph: RematGraph | None = None
         self.floor: tuple[float, str] | None = None  # None: not proven (a budget below what it can reach)
+        self.proving = 0.0  # seconds its floor's proof took (counted in its solve's time limit)
         self.schedule: Schedule | None = None
         self.failure: Exception | None = None  # InfeasibleBudget from its solve
         self._solve_done = False
@@ -300,7 +305,9 @@ class _LeanVariant:
             # the portfolio proves the full one (its MILPs, a second or more) only when its search
             # ends above this one, and a lean plan often meets it.
             if not estimated and self._budget >= reachable_floor(self.graph)[0]:
+                started = time.perf_counter()
                 self.floor = time_lower_bound(self.graph, self._budget, closure=False, intervals=False)
+                self.proving = time.perf_counter() - started
         return True
 
     def refused(self) -> bool:
@@ -317,7 +324,8 @@ class _LeanVariant:
             progress.stage("solve the lean variant")
             floor = self.floor if "floor" in solver_options(self._options.solver) else None
             try:
-                self.schedule = _solve(self.graph, self._budget, self._options, floor, self._held)
+                self.schedule = _solve(self.graph, self._budget, self._options, floor, self._held,
+                                       spent=self.proving if floor is not None else 0.0)
             except InfeasibleBudget as e:
                 self.failure = e
             except PlanMismatch:
@@ -391,9 +399,12 @@ def costed_graph(joint: JointGraph, real_inputs: list[torch.Tensor] | None, prof
 
 
 def _solve(graph: RematGraph, budget: int, options: PlanOptions,
-           floor: tuple[float, str] | None = None, held: Plan | None = None) -> Schedule:
+           floor: tuple[float, str] | None = None, held: Plan | None = None, spent: float = 0.0) -> Schedule:
     """The schedule for `graph` within `budget` (or the plan file's), replayed by the simulator:
-    never run an unchecked plan. `floor`: the graph's proven floor, when already computed.
+    never run an unchecked plan. `floor`: the graph's proven floor, when already computed;
+    `spent`: the seconds its proof took. They count against the solver's time limit, which is
+    the user's for the whole solve of the graph, not for its last part (on a graph of
+    thousands of nodes the floor takes seconds).
 
     `held`: a plan of the same step at other shapes (a replan). Where its graph is `graph`'s
     at other sizes, its schedule replayed here is a start of the solver's search (one a little
@@ -413,7 +424,10 @@ def _solve(graph: RematGraph, budget: int, options: PlanOptions,
             given.setdefault("known", [start])
             if "gap" in accepted and "gap" not in options.solver_options and start.extra["held_gap"]:
                 given["gap"] = _solver_gap(options) + start.extra["held_gap"]
-        started = time.perf_counter()
+        started = time.perf_counter() - spent
+        limit = _time_limit(options)
+        if limit is not None and spent > 0:
+            given["time_limit"] = max(0.0, limit - spent)
         try:
             schedule = RUNTIME_SOLVERS[options.solver](graph, budget, **given)
         except InfeasibleBudget as e:
@@ -476,6 +490,12 @@ def _renamed(held_graph: RematGraph, held_schedule: Schedule, graph: RematGraph,
     return start
 
 
+def _time_limit(options: PlanOptions) -> float | None:
+    """The solver's time limit in seconds: the user's, or the solver's default (None: it has none)."""
+    parameter = inspect.signature(RUNTIME_SOLVERS[options.solver]).parameters.get("time_limit")
+    return None if parameter is None else options.solver_options.get("time_limit", parameter.default)
+
+
 def _refusal(graph: RematGraph, budget: int, options: PlanOptions, seconds: float) -> InfeasibleBudget:
     """A solver's refusal of `budget`, as the user should read it whatever the solver. Below the
     proven floor, the floor. Above it the solver gave up (its time limit ran out, or its search
@@ -486,10 +506,8 @@ def _refusal(graph: RematGraph, budget: int, options: PlanOptions, seconds: floa
         return InfeasibleBudget(f"budget {budget} bytes ({format_bytes(budget)}) is too small: {bounds.describe()}")
     known = (f"a schedule is known from {bounds.upper} bytes ({format_bytes(bounds.upper)}), and none can peak "
              f"below {bounds.lower} bytes ({format_bytes(bounds.lower)}){bounds.describe_in_order()}")
-    parameter = inspect.signature(RUNTIME_SOLVERS[options.solver]).parameters.get("time_limit")
-    # A solver without a time limit (DTR's is None unless given): its search ended, not its time.
-    limit = None if parameter is None else options.solver_options.get("time_limit", parameter.default)
-    if limit is None:
+    limit = _time_limit(options)
+    if limit is None:  # a solver without a time limit (DTR's is None unless given): its search ended, not its time
         return OutOfTime(f"solver {options.solver!r} found no schedule within {budget} bytes ({format_bytes(budget)}), "
                          f"but its search does not cover every schedule: {known}. Use the default solver "
                          f"{DEFAULT_SOLVER!r}, or a budget of at least {bounds.upper} bytes")

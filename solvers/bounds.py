@@ -216,7 +216,7 @@ def reachable_floor(graph: RematGraph) -> tuple[int, str]:
 
 
 def time_lower_bound(graph: RematGraph, budget: int, steps: int | None = None, closure: bool = True,
-                     intervals: bool = True) -> tuple[float, str]:
+                     intervals: bool = True, time_limit: float | None = None) -> tuple[float, str]:
     """(seconds, reason): no schedule within `budget` bytes runs faster than this.
 
     Every needed node runs once. Beyond that, take a node k: a value its descendants read,
@@ -237,7 +237,12 @@ def time_lower_bound(graph: RematGraph, budget: int, steps: int | None = None, c
     most of the budget). Without `closure`, the knapsacks' bound alone: weaker, and found in a
     fraction of the time. Without `intervals`, no interval MILP: a planner asks for it only once
     its search ends above the floor without it (`solvers.portfolio`), since it costs up to
-    INTERVAL_TIME and a plan that meets the cheaper floor needs no tighter one."""
+    INTERVAL_TIME and a plan that meets the cheaper floor needs no tighter one.
+    `time_limit`: seconds for the MILP stages (closure's and intervals'), within their own
+    limits: a caller's time limit holds them too (on a graph of thousands of nodes, building the
+    interval MILP alone takes seconds). A stage cut short by it proves what it proved in that
+    time, none where none is left, and is proven again by a later call; the knapsacks, the
+    floor every plan is judged by, always run in full."""
     # Each stage is proven once per graph, budget and costs: a planner asks for the knapsacks'
     # floor, then the closure's, and the portfolio for the intervals' where its search ends
     # above, and on a graph of thousands of nodes the knapsacks alone take seconds.
@@ -249,16 +254,28 @@ def time_lower_bound(graph: RematGraph, budget: int, steps: int | None = None, c
     best, why = context.best, context.why
     if context.settled:
         return context.base + best, why
+    deadline = math.inf if time_limit is None else time.perf_counter() + time_limit
     if closure:
-        if "closure" not in proof:
-            proof["closure"] = _closure_floor(graph, context)
-        best, why = max((best, why), proof["closure"], key=lambda proven: proven[0])
+        proven = proof.get("closure") or _closure_floor(graph, context, deadline)
+        if proven.complete:
+            proof["closure"] = proven
+        best, why = max((best, why), (proven.extra, proven.why), key=lambda stage: stage[0])
     if closure and intervals and best > 0:
-        if "intervals" not in proof:
-            proof["intervals"] = _interval_floor(graph, budget, context)
-        if proof["intervals"][0] > best:
-            best, why = proof["intervals"]
+        proven = proof.get("intervals") or _interval_floor(graph, budget, context, deadline)
+        if proven.complete:
+            proof["intervals"] = proven
+        if proven.extra > best:
+            best, why = proven.extra, proven.why
     return context.base + best, why
+
+
+@dataclass(frozen=True)
+class _StageFloor:
+    """What one of `time_lower_bound`'s MILP stages proves beyond the knapsacks' base."""
+
+    extra: float  # seconds beyond every needed node once
+    why: str
+    complete: bool  # False: cut short by a caller's time limit (proven again by a later call)
 
 
 @dataclass
@@ -345,11 +362,13 @@ def _knapsack_floor(graph: RematGraph, budget: int, steps: int | None) -> _Knaps
     return _KnapsackFloor(base, best, why, False, needed, ancestors, descendants, floors, held, readers, rated)
 
 
-def _closure_floor(graph: RematGraph, proven: _KnapsackFloor) -> tuple[float, str]:
-    """The closure MILPs' stage of `time_lower_bound`, at the moments the knapsacks rate tightest."""
+def _closure_floor(graph: RematGraph, proven: _KnapsackFloor, deadline: float) -> _StageFloor:
+    """The closure MILPs' stage of `time_lower_bound`, at the moments the knapsacks rate tightest,
+    within CLOSURE_TIME and by `deadline` (a caller's)."""
     best, why = 0.0, ""
     ancestors, held = proven.ancestors, proven.held
-    deadline = time.perf_counter() + CLOSURE_TIME
+    caller = deadline
+    deadline = min(time.perf_counter() + CLOSURE_TIME, caller)
     for extra, name, room, _ in sorted(proven.rated, reverse=True)[:CLOSURE_STEPS]:
         left = deadline - time.perf_counter()
         if extra <= 0 or left <= 0:  # where every value fits, so do the inputs of none remade
@@ -362,22 +381,24 @@ def _closure_floor(graph: RematGraph, proven: _KnapsackFloor) -> tuple[float, st
             why = (f"at node {_named(graph, name)} only {format_bytes(max(0, room))} are left for the "
                    "values its descendants read and the inputs of those made again: the rest must be "
                    "recomputed")
-    return best, why
+    # Cut short only where the caller's time ran out first: the stage's own limit is part of the proof.
+    return _StageFloor(best, why, complete=deadline < caller or time.perf_counter() < caller)
 
 
-def _interval_floor(graph: RematGraph, budget: int, proven: _KnapsackFloor) -> tuple[float, str]:
-    """The interval MILP's stage of `time_lower_bound`, over a chain of moments."""
-    best, why = 0.0, ""
+def _interval_floor(graph: RematGraph, budget: int, proven: _KnapsackFloor, deadline: float) -> _StageFloor:
+    """The interval MILP's stage of `time_lower_bound`, over a chain of moments, within
+    INTERVAL_TIME of HiGHS's and by `deadline` (a caller's), its model's building included."""
+    if time.perf_counter() >= deadline:
+        return _StageFloor(0.0, "", False)
     moments = _moment_chain(graph, proven.floors, proven.ancestors, budget)
-    if moments:
-        remade = _interval_remaking_time(graph, budget, moments, proven.floors, proven.ancestors, proven.needed,
-                                         INTERVAL_TIME)
-        if remade > best:
-            best = remade
-            why = (f"at the {len(moments)} nodes {_named(graph, moments[0])} to {_named(graph, moments[-1])}, "
-                   "run in turn, the values kept from one to the next must fit beside each: the rest must "
-                   "be recomputed")
-    return best, why
+    if not moments:
+        return _StageFloor(0.0, "", True)
+    remade, cut = _interval_remaking_time(graph, budget, moments, proven.floors, proven.ancestors, proven.needed,
+                                          deadline)
+    why = (f"at the {len(moments)} nodes {_named(graph, moments[0])} to {_named(graph, moments[-1])}, "
+           "run in turn, the values kept from one to the next must fit beside each: the rest must "
+           "be recomputed")
+    return _StageFloor(remade, why if remade > 0 else "", complete=not cut)
 
 
 def _named(graph: RematGraph, name: str) -> str:
@@ -450,12 +471,13 @@ def _remaking_time(graph: RematGraph, name: str, room: int, alive: set[str], anc
     return _proven_bound(builder, time_limit)
 
 
-def _proven_bound(builder: MilpBuilder, time_limit: float, **options: float) -> float:
-    """HiGHS's dual bound on the minimum of `builder`'s MILP after at most `time_limit` seconds
-    (sound when cut short, only weaker), less its feasibility tolerances (relative, about
-    1e-7) so that it stays a proof; 0 where it has none above 0. `options`: more of HiGHS's."""
+def _proven_bound(builder: MilpBuilder, time_limit: float, deadline: float = math.inf, **options: float) -> float:
+    """HiGHS's dual bound on the minimum of `builder`'s MILP after at most `time_limit` seconds,
+    and no later than `deadline` once its model is handed over (sound when cut short, only
+    weaker), less its feasibility tolerances (relative, about 1e-7) so that it stays a proof;
+    0 where it has none above 0. `options`: more of HiGHS's."""
     highs = builder.highs()
-    highs.setOptionValue("time_limit", max(0.01, time_limit))
+    highs.setOptionValue("time_limit", max(0.01, min(time_limit, deadline - time.perf_counter())))
     highs.setOptionValue("mip_rel_gap", 1e-4)
     for name, value in options.items():
         highs.setOptionValue(name, value)
@@ -468,6 +490,7 @@ def _proven_bound(builder: MilpBuilder, time_limit: float, **options: float) -> 
 # seconds beyond the closure MILPs' (its dual bound is sound when cut short, only weaker).
 INTERVAL_MOMENTS = 16
 INTERVAL_TIME = 1.0
+DEADLINE_EVERY = 256  # nodes between looks at the clock while the interval MILP is built
 
 
 def _moment_chain(graph: RematGraph, floors: dict[str, tuple[int, str]], ancestors: list[int],
@@ -488,8 +511,9 @@ def _moment_chain(graph: RematGraph, floors: dict[str, tuple[int, str]], ancesto
 
 def _interval_remaking_time(graph: RematGraph, budget: int, moments: list[str],
                             floors: dict[str, tuple[int, str]], ancestors: list[int], needed: set[str],
-                            time_limit: float) -> float:
-    """A lower bound on the time spent beyond running each needed node once, from the first
+                            deadline: float) -> tuple[float, bool]:
+    """(a lower bound on the time spent beyond running each needed node once, whether `deadline`
+    cut it short), from the first
     runs of `moments` (a chain: each an ancestor of the next, so every schedule first runs them
     in this order). They cut any schedule into intervals 0..J; one binary per (needed node,
     interval), run[p, i]: p runs in interval i, and per (moment, value), alive[j, d]: d is
@@ -507,7 +531,8 @@ def _interval_remaking_time(graph: RematGraph, budget: int, moments: list[str],
     reads the same forward values at several of its largest steps (convolutions' backward
     with their workspaces) pays. Memory between moments is not constrained, so it stays a
     relaxation. The answer is HiGHS's dual bound less one run of each needed node but the
-    moments, so a solve cut short is still sound."""
+    moments, so a solve cut short is still sound. HiGHS gets INTERVAL_TIME, or what is left
+    before `deadline`; a model whose building reaches it proves nothing (0)."""
     intervals = len(moments) + 1
     scale = sum(node.time for node in graph.nodes) or 1.0  # times near 1: HiGHS's absolute gap stays negligible
     builder = MilpBuilder()
@@ -553,7 +578,9 @@ def _interval_remaking_time(graph: RematGraph, budget: int, moments: list[str],
         else:
             builder.row([*cols, column], [*vals, -1.0], 0, math.inf)
 
-    for p in nodes:
+    for count, p in enumerate(nodes):
+        if count % DEADLINE_EVERY == 0 and time.perf_counter() > deadline:
+            return 0.0, True
         for x in dict.fromkeys(graph.nodes[p].inputs):
             if counted(x):
                 for i in range(intervals):
@@ -576,15 +603,20 @@ def _interval_remaking_time(graph: RematGraph, budget: int, moments: list[str],
         for j, d in [key for key in alive if key not in done]:
             done.add((j, d))
             made_before(j, d, alive[j, d])
+    kept: dict[int, tuple[list[int], list[float]]] = {j: ([], []) for j in range(1, intervals)}
+    for (j, d), column in alive.items():
+        kept[j][0].append(column)
+        kept[j][1].append(float(graph.data[d].size))
     for j, moment in enumerate(moments, start=1):
-        kept = [(column, graph.data[d].size) for (i, d), column in alive.items() if i == j]
-        builder.row([c for c, _ in kept], [float(size) for _, size in kept], -math.inf,
-                    float(budget - floors[moment][0]))
-    bound = _proven_bound(builder, time_limit, mip_abs_gap=0.0)
+        builder.row(*kept[j], -math.inf, float(budget - floors[moment][0]))
+    if time.perf_counter() > deadline:
+        return 0.0, True
+    bound = _proven_bound(builder, INTERVAL_TIME, deadline, mip_abs_gap=0.0)
+    cut = time.perf_counter() >= deadline  # (its own limit spent first, it would have ended before)
     if bound == 0.0:
-        return 0.0
+        return 0.0, cut
     once = sum(graph.nodes[p].time for p in nodes if graph.nodes[p].name not in moment_set)
-    return max(0.0, bound * scale - once)
+    return max(0.0, bound * scale - once), cut
 
 
 class _LiveAcross:

@@ -90,7 +90,8 @@ HELD_REPAIR_TIME = 1.0  # seconds
 
 def heuristic_candidates(graph: RematGraph, budget: int, time_limit: float,
                          good_enough: float = 0.0, known: Sequence[Schedule] = (),
-                         to_beat: float = math.inf, starts: Sequence[Schedule] = ()) -> list[Schedule]:
+                         to_beat: float = math.inf, starts: Sequence[Schedule] = (),
+                         fits_elsewhere: bool = False) -> list[Schedule]:
     """The schedules of DTR_HEURISTICS, saved values, peak shaving and greedy checkpoints that fit `budget`,
     found within about `time_limit` seconds. Peak shaving runs only while the best so far takes
     longer than `good_enough` (a proven floor plus the caller's gap), and only where DTR's and
@@ -103,10 +104,20 @@ def heuristic_candidates(graph: RematGraph, budget: int, time_limit: float,
     from `starts` whatever their peak (a replan's held plan), and from `known` checkpointing
     schedules that fit (the baselines): however slow a start, its drops may lead elsewhere.
     On some graphs, shaving the schedule that checkpoints every block reaches the proven floor
-    where shaving DTR's, a far faster start, stops above it."""
+    where shaving DTR's, a far faster start, stops above it.
+
+    Once a schedule fits (found here, among `known`, or the caller's: `fits_elsewhere`), no
+    search starts after `time_limit` and each ends by it; until then DTR's runs get
+    DTR_MIN_LOOK each whatever is left, since a search that finds nothing leaves the caller to
+    search on."""
     deadline = time.perf_counter() + time_limit
     dtr_limit = max(DTR_MIN_LOOK, DTR_SHARE * time_limit)
     found = []
+    fits_already = fits_elsewhere or any(s.predicted_peak <= budget for s in known)
+
+    def look(share: float) -> float:
+        """Seconds for the next search: its `share`, within the time left once something fits."""
+        return min(share, deadline - time.perf_counter()) if found or fits_already else share
 
     def attempt(solve, *args, **options) -> bool:
         try:
@@ -122,18 +133,18 @@ def heuristic_candidates(graph: RematGraph, budget: int, time_limit: float,
         # Largest first only as a start of peak shaving here: in another backward order
         # (`to_beat`) the quick searches probe whether that order is faster, and its schedule,
         # many times slower than the others' (16x on hf_llama at 0.35), never is.
-        if heuristic != "size" or to_beat == math.inf:
-            attempt(solve_dtr, heuristic=heuristic, time_limit=dtr_limit)
-    if any(node.rng for node in graph.nodes):
-        attempt(solve_dtr, heuristic="dtr", keep_drawn=True, time_limit=dtr_limit)
+        if (heuristic != "size" or to_beat == math.inf) and (limit := look(dtr_limit)) > 0:
+            attempt(solve_dtr, heuristic=heuristic, time_limit=limit)
+    if any(node.rng for node in graph.nodes) and (limit := look(dtr_limit)) > 0:
+        attempt(solve_dtr, heuristic="dtr", keep_drawn=True, time_limit=limit)
     # What the forward saves, chosen by a small MILP: its attempts that overshoot are starts
     # for peak shaving, the one that fits (the last, if any) a candidate. Where DTR's schedule
     # is already within the gap of the floor, only a short look: its MILP is solved in a tenth
     # of a second on most graphs, and often finds a faster schedule still, but on a graph of
     # thousands of nodes it takes its whole share of the time to improve on none.
     overshooting = []
-    look = 0.2 * time_limit if searching() else min(0.2 * time_limit, SAVED_VALUES_LOOK)
-    for schedule in saved_values_attempts(graph, budget, time_limit=look):
+    saved_values_look = look(0.2 * time_limit if searching() else min(0.2 * time_limit, SAVED_VALUES_LOOK))
+    for schedule in saved_values_attempts(graph, budget, time_limit=saved_values_look) if saved_values_look > 0 else ():
         if schedule.predicted_peak <= budget:
             schedule.budget = budget
             found.append(schedule)
@@ -147,10 +158,10 @@ def heuristic_candidates(graph: RematGraph, budget: int, time_limit: float,
     once = sum(n.time for n in graph.nodes)
     seeds = [*found, *overshooting, *(s for s in known if s.predicted_peak <= budget and s.predicted_time <= 2 * once),
              *starts]
-    if searching():
-        attempt(solve_peak_shaving, good_enough=good_enough, seeds=seeds,
-                time_limit=SHAVING_SHARE * max(0.0, deadline - time.perf_counter()))
-    if not found and to_beat == math.inf:
+    if searching() and ((shaving_look := SHAVING_SHARE * (deadline - time.perf_counter())) > 0
+                        or not (found or fits_already)):
+        attempt(solve_peak_shaving, good_enough=good_enough, seeds=seeds, time_limit=max(0.0, shaving_look))
+    if not found and to_beat == math.inf and not fits_elsewhere:
         # Greedy checkpoints only where nothing else fits (here, nor in the caller's other
         # order): where another search had found a schedule, theirs was never the fastest (the
         # zoo's, Hugging Face's, launch-bound and Checkmate's graphs, budgets down to the
@@ -282,11 +293,13 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
             quick = min((s.predicted_time for s in searched if s.solver in QUICK_SEARCHES), default=math.inf)
             for after in (False, True):
                 share = REORDERED_SHARE * min(heuristics_time, 0.8 * time_limit)
-                if candidates:
-                    share = min(share, time_limit - (time.perf_counter() - start))
-                if searching() and share > 0 and (other := delayed_branches(graph, after)) is not None:
+                if searching() and (not candidates or time_limit > time.perf_counter() - start) and (
+                        other := delayed_branches(graph, after)) is not None:
+                    if candidates:  # (reordering a graph of thousands of nodes takes a second)
+                        share = min(share, time_limit - (time.perf_counter() - start))
                     reordered = in_graph_order(graph, heuristic_candidates(
-                        other, budget, time_limit=share, good_enough=floor * (1 + gap), to_beat=quick))
+                        other, budget, time_limit=share, good_enough=floor * (1 + gap), to_beat=quick,
+                        fits_elsewhere=bool(candidates)))
                     searched += reordered
                     candidates += reordered
         if candidates:
@@ -327,7 +340,8 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
                                f"{bounds.describe()}")
     best = _fastest(candidates)
     if given_floor and best.predicted_time > floor * (1 + gap):
-        tighter, tighter_reason = time_lower_bound(graph, budget)
+        tighter, tighter_reason = time_lower_bound(graph, budget,
+                                                   time_limit=max(0.0, time_limit - (time.perf_counter() - start)))
         if tighter > floor:
             floor, floor_reason = tighter, tighter_reason
     extra["schedule_from"] = best.solver

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import time
+
 import pytest
 import torch
 
@@ -78,3 +81,34 @@ def test_a_budget_refused_on_memory_alone_is_refused_without_replaying_the_step(
     assert len(replays) == 1
     estimates = rkgraph.estimated_times(replays[0], joint.module)
     assert planned.times == pytest.approx({name: 2 * seconds for name, seconds in estimates.items()})
+
+
+def test_the_floors_proven_before_the_solve_count_against_its_time_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The solver's time limit is the user's for the whole solve of a graph: the floor the
+    planner proves before handing it over (seconds on a graph of thousands of nodes) is taken
+    out of what the solver is given."""
+    from rockplan import planner
+    from solvers import RUNTIME_SOLVERS
+
+    model, args, kwargs, _ = zoo.make("gpt", "tiny")
+    joint = capture_joint(model, args, kwargs)
+    prove = planner.time_lower_bound
+    delay = 0.5
+
+    def slow(*a: object, **kw: object) -> tuple[float, str]:
+        time.sleep(delay)
+        return prove(*a, **kw)
+
+    given: list[float] = []
+    solve = RUNTIME_SOLVERS["rockmate"]
+
+    @functools.wraps(solve)  # its signature: the options the planner checks and passes
+    def spied(*a: object, time_limit: float, **kw: object) -> object:
+        given.append(time_limit)
+        return solve(*a, time_limit=time_limit, **kw)
+
+    monkeypatch.setattr(planner, "time_lower_bound", slow)
+    monkeypatch.setitem(RUNTIME_SOLVERS, "rockmate", spied)
+    planned = plan(joint, 0.6, PlanOptions(profile="estimate", solver_options={"time_limit": 10}))
+    assert planned.schedule.predicted_peak <= planned.budget
+    assert given and given[0] <= 10 - delay

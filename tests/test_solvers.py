@@ -438,6 +438,41 @@ def test_a_floor_asked_again_reuses_the_stages_proven(monkeypatch: pytest.Monkey
     assert time_lower_bound(graph, budget, closure=False)[0] > fresh[0][0] and len(proven) == 2
 
 
+def test_a_floor_under_a_time_limit_proves_what_it_can_in_it_and_is_proven_again_later(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caller's time limit holds the MILP stages too: with none left, the floor is the
+    knapsacks'. A stage cut short is not held: asked again with time, the floor is the full one
+    (on a ResNet near its smallest budget the interval MILP proves far more)."""
+    model, args, kwargs, _ = zoo.make("resnet", "tiny")
+    graph = rkgraph.capture(model, args, kwargs)
+    budget = int(1.05 * min_feasible_budget(graph))
+    monkeypatch.setattr(bounds, "INTERVAL_TIME", 60.0)  # solved to the end even on a loaded machine
+    knapsacks = time_lower_bound(graph, budget, closure=False)
+    assert time_lower_bound(graph, budget, time_limit=0.0) == knapsacks
+    full = time_lower_bound(graph, budget)
+    assert full[0] > knapsacks[0]
+    bounds._PROOFS.clear()
+    assert full == time_lower_bound(graph, budget)
+
+
+def test_once_a_schedule_fits_no_heuristic_starts_after_the_time_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the caller has a schedule that fits, the heuristics end by their time limit: none
+    starts once it is spent. Where nothing fits yet, DTR still gets its least look, so that a
+    search cut short by a small limit still finds a schedule."""
+    graph = chain_graph(50)
+    budget = int(0.3 * solve_store_all(graph).predicted_peak)
+    called: list[str] = []
+    for name in ("solve_dtr", "saved_values_attempts", "solve_peak_shaving", "solve_greedy_checkpoints"):
+        def spied(*args: object, _name: str = name, _solve: object = getattr(portfolio, name), **kwargs: object):
+            called.append(_name)
+            return _solve(*args, **kwargs)
+        monkeypatch.setattr(portfolio, name, spied)
+    assert portfolio.heuristic_candidates(graph, budget, time_limit=0.0, fits_elsewhere=True) == []
+    assert called == []
+    found = portfolio.heuristic_candidates(graph, budget, time_limit=0.0)
+    assert called[0] == "solve_dtr" and found and all(s.predicted_peak <= budget for s in found)
+
+
 @pytest.mark.parametrize("first_pass", ["quick", "spends the limit"])
 def test_the_other_orders_are_searched_within_the_time_left(first_pass: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Once a schedule fits, the searches in other backward orders get the time the limit has
