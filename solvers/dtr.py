@@ -169,6 +169,10 @@ class _DtrRun:
         self.times = np.array([node.time for node in graph.nodes])
         self.producer_bit = {d: 1 << graph.index[node.name] for d, node in self.producers.items()}
         self.costs: dict[int, float] = {}  # set of nodes (bits) -> their total time
+        # Tensor -> its eviction cost, until a change of state forgets either of its neighbourhoods
+        # (`_forgotten`): every resident tensor is scored at every shortfall, and on a graph of
+        # thousands of nodes joining and hashing its neighbourhoods' bit sets was most of the run.
+        self.cost_of: dict[str, float] = {}
         self.bytes = (len(graph.nodes) + 7) // 8
         # Absent ancestors: through the non-source inputs of each producer; evicted descendants:
         # through the outputs of each reader. Kept only for the heuristics that read them.
@@ -233,13 +237,17 @@ class _DtrRun:
         """Time of the producers of the absent tensors that recomputing d needs (d's own producer
         included) and of the evicted tensors still needed whose recomputation would need d:
         evicting d makes those dearer too."""
+        cost = self.cost_of.get(d)
+        if cost is not None:
+            return cost
         nodes = self.producer_bit[d] | self.ancestors.get(d) | self.descendants.get(d)
         if nodes not in self.costs:
             # Summed in node order: equal sets cost the same whatever the order they were found in.
             members = np.unpackbits(np.frombuffer(nodes.to_bytes(self.bytes, "little"), dtype=np.uint8),
                                     bitorder="little", count=len(self.times)).astype(bool)
             self.costs[nodes] = float(self.times[members].sum())
-        return self.costs[nodes]
+        cost = self.cost_of[d] = self.costs[nodes]
+        return cost
 
     def still_needed_from(self, d: str) -> bool:
         """Whether recomputing some evicted tensor still needed would go through d (via absent
@@ -320,11 +328,21 @@ class _DtrRun:
         """d leaves memory; returns the tensors whose cached cost it made stale."""
         self.resident.remove(d)
         self.memory -= self.size[d]
-        return self.ancestors.changed(d) if self.costed else []
+        return self._forgotten(self.ancestors, d)
 
     def evicted_changed(self, d: str) -> list[str]:
         """d was evicted, or is no longer; returns the tensors whose cached cost it made stale."""
-        return self.descendants.changed(d) if self.costed else []
+        return self._forgotten(self.descendants, d)
+
+    def _forgotten(self, reach: _Reach, d: str) -> list[str]:
+        """`reach` told that d opened or closed: the tensors whose neighbourhood it forgot,
+        whose costs are forgotten with it."""
+        if not self.costed:
+            return []
+        forgotten = reach.changed(d)
+        for x in forgotten:
+            self.cost_of.pop(x, None)
+        return forgotten
 
     # --- running ops --------------------------------------------------------------------------
 
@@ -350,8 +368,7 @@ class _DtrRun:
             if d not in self.resident:
                 if self.recomputable_memo.get(d) is False:  # made available: the answers may change
                     self.recomputable_memo.clear()
-                if self.costed:
-                    self.ancestors.changed(d)
+                self._forgotten(self.ancestors, d)
                 self.resident.add(d)
                 self.memory += self.size[d]
             if d in self.evicted:
