@@ -8,5 +8,7 @@
 from rockplan.backend import backend
 from rockplan.memory import measure_step, steady_cpu_heap
 from rockplan.module import Rockmate
+from rockplan.planner import OutOfTime
+from solvers import InfeasibleBudget
 
-__all__ = ["Rockmate", "backend", "measure_step", "steady_cpu_heap"]
+__all__ = ["InfeasibleBudget", "OutOfTime", "Rockmate", "backend", "measure_step", "steady_cpu_heap"]
