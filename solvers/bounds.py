@@ -186,24 +186,39 @@ def chain_order_floor(graph: RematGraph) -> tuple[int, str]:
     _, backward = chain_blocks(graph)
     ancestors = _ancestors(graph)
     floors = _step_floors(graph, ancestors)
-    gradients = _gradients(graph)
     best, why = max(_phase_floors(graph))
-    backward_outputs = set(graph.backward_outputs)
-    later: set[str] = set()  # gradients made by the blocks whose backward ran before
+    # The gradients held at a node: those the nodes of the blocks run before made, less those
+    # its floor counts (made by its ancestors, or among its own values). By producer, as bit
+    # sets: a deep model has hundreds of gradients and thousands of nodes after them.
+    count = len(graph.nodes)
+    width = (count + 7) // 8
+    made_bytes = np.zeros(count, dtype=np.int64)
+    made_by: dict[str, int] = {}
+    for i, d in _gradients(graph):
+        made_bytes[i] += graph.data[d].size
+        made_by[d] = i
+    later = 0  # the producers of the gradients made by the blocks whose backward ran before
     for block in reversed(backward):
         for name in block:
             if name not in floors:
                 continue
             node = graph.node(name)
-            k = graph.index[name]
-            counted = {*node.inputs, *node.outputs, *_held_at(graph, node),
-                       *(d for i, d in gradients if ancestors[k] >> i & 1)}
-            alive = floors[name][0] + _size(graph, later - counted)
+            held = later & ~ancestors[graph.index[name]]
+            if not held:
+                alive = floors[name][0]
+            else:
+                members = np.unpackbits(np.frombuffer(held.to_bytes(width, "little"), dtype=np.uint8),
+                                        bitorder="little", count=count).astype(bool)
+                own = dict.fromkeys([*node.inputs, *node.outputs, *_held_at(graph, node)])
+                alive = floors[name][0] + int(made_bytes[members].sum()) - sum(
+                    graph.data[d].size for d in own if d in made_by and held >> made_by[d] & 1)
             if alive > best:
                 best, why = alive, (f"node {_named(graph, name)} needs its inputs, outputs and workspace while "
                                     "every gradient made by the blocks whose backward runs before its block's "
                                     "in a chain plan is held")
-        later.update(d for name in block for d in graph.node(name).outputs if d in backward_outputs)
+        for name in block:
+            if made_bytes[graph.index[name]]:
+                later |= 1 << graph.index[name]
     return best, why
 
 
