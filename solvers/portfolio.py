@@ -161,7 +161,8 @@ def heuristic_candidates(graph: RematGraph, budget: int, time_limit: float,
     if searching() and ((shaving_look := SHAVING_SHARE * (deadline - time.perf_counter())) > 0
                         or not (found or fits_already)):
         attempt(solve_peak_shaving, good_enough=good_enough, seeds=seeds, time_limit=max(0.0, shaving_look))
-    if not found and to_beat == math.inf and not fits_elsewhere:
+    if not found and to_beat == math.inf and not fits_elsewhere and (
+            not fits_already or time.perf_counter() < deadline):
         # Greedy checkpoints only where nothing else fits (here, nor in the caller's other
         # order): where another search had found a schedule, theirs was never the fastest (the
         # zoo's, Hugging Face's, launch-bound and Checkmate's graphs, budgets down to the
@@ -217,13 +218,15 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
     time; `floor` is that floor and the step that sets it, `time_lower_bound`'s answer, when the
     caller has it (computed here otherwise). A search that ends above `floor` by more than the
     gap proves the floor again in full, with `time_lower_bound`'s MILPs, which a caller's floor
-    may lack (they cost a second or more, paid only where the plan leaves a gap to explain).
+    may lack (paid only where the plan leaves a gap to explain), within the time left: the
+    limit holds every floor proven here, as it holds the searches.
     `known`: schedules of `graph` to start from, whatever their peak (a replan's held plan,
     `rockplan.planner`): those that fit are candidates at once; those over the budget are
     repaired by peak shaving first (a little over, in a few builds: within the gap, that ends
     the search); and each is a start of peak shaving in the heuristics.
     `polish_time`: seconds more of peak shaving from the best schedule where it ends above the
-    floor by more than the gap (0: none). The heuristics get a share of `time_limit` that grows
+    floor by more than the gap (0: none), after that floor is proven in full; all of it within
+    `time_limit + polish_time`. The heuristics get a share of `time_limit` that grows
     with the graph, and where they find a schedule nothing uses the rest; there
     peak shaving's local search keeps finding faster schedules long after its share, in runs
     far apart (a GPU step bound by kernel launches, where a plan recomputes hundreds of small
@@ -235,7 +238,18 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
         raise InfeasibleBudget(f"no schedule of the portfolio's solvers fits within {budget} bytes "
                                f"({format_bytes(budget)}); {bounds.describe()}")
     given_floor = floor is not None
-    floor, floor_reason = time_lower_bound(graph, budget) if floor is None else floor
+    floor, floor_reason = time_lower_bound(graph, budget, time_limit=time_limit) if floor is None else floor
+    floor_proven = not given_floor  # in full (the interval MILP's stage included), within the time allowed
+
+    def prove_floor_in_full() -> None:
+        """The caller's floor proven again with `time_lower_bound`'s MILPs, within what is left
+        of the time allowed (the search's and polishing's), where the search ends above it."""
+        nonlocal floor, floor_reason, floor_proven
+        floor_proven = True
+        left = time_limit + polish_time - (time.perf_counter() - start)
+        tighter, tighter_reason = time_lower_bound(graph, budget, time_limit=max(0.0, left))
+        if tighter > floor:
+            floor, floor_reason = tighter, tighter_reason
     store_all = bounds.baselines[0]
     candidates = [s for s in (*bounds.baselines, *known) if s.predicted_peak <= budget]
     extra: dict[str, object] = {}
@@ -331,19 +345,21 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
             candidates.append(solve_milp(graph, budget, time_limit=remaining, mip_rel_gap=gap, known=candidates,
                                         floor=floor))
         if polish_time > 0 and in_order and candidates and searching():
-            with contextlib.suppress(InfeasibleBudget):
-                candidates.append(solve_peak_shaving(
-                    graph, budget, time_limit=polish_time, good_enough=floor * (1 + gap),
-                    seeds=[_fastest(candidates)], perturb=True))
+            # The full floor first: polishing stops at it, and it explains the plan's gap.
+            if not floor_proven:
+                prove_floor_in_full()
+            polish_left = min(polish_time, time_limit + polish_time - (time.perf_counter() - start))
+            if searching() and polish_left > 0:
+                with contextlib.suppress(InfeasibleBudget):
+                    candidates.append(solve_peak_shaving(
+                        graph, budget, time_limit=polish_left, good_enough=floor * (1 + gap),
+                        seeds=[_fastest(candidates)], perturb=True))
     if not candidates:
         raise InfeasibleBudget(f"no schedule found within {budget} bytes ({format_bytes(budget)}); "
                                f"{bounds.describe()}")
     best = _fastest(candidates)
-    if given_floor and best.predicted_time > floor * (1 + gap):
-        tighter, tighter_reason = time_lower_bound(graph, budget,
-                                                   time_limit=max(0.0, time_limit - (time.perf_counter() - start)))
-        if tighter > floor:
-            floor, floor_reason = tighter, tighter_reason
+    if not floor_proven and best.predicted_time > floor * (1 + gap):
+        prove_floor_in_full()
     extra["schedule_from"] = best.solver
     extra["floor_reason"] = floor_reason
     for key in ("status", "binaries"):

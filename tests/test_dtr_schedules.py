@@ -140,3 +140,29 @@ def test_dtr_gives_up_at_its_time_limit_and_the_portfolio_gives_each_run_one(
     monkeypatch.setattr(portfolio, "solve_dtr", spied)
     portfolio.heuristic_candidates(graph, budget, time_limit=2.0)
     assert limits and all(limit is not None and limit <= portfolio.DTR_MIN_LOOK for limit in limits)
+
+
+@pytest.mark.parametrize("heuristic", ["dtr", "next_use"])
+def test_a_held_eviction_cost_is_the_one_its_neighbourhoods_give(
+        heuristic: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DTR holds each tensor's eviction cost until a change of state forgets either of its
+    neighbourhoods: every cost it answers from what it holds is the one computed afresh."""
+    from solvers import dtr
+
+    costed = dtr._DtrRun.eviction_cost
+    answered = []
+
+    def checked(run: dtr._DtrRun, d: str) -> float:
+        cost = costed(run, d)
+        held = run.cost_of.pop(d)
+        assert costed(run, d) == held == cost, d
+        answered.append(d)
+        return cost
+
+    monkeypatch.setattr(dtr._DtrRun, "eviction_cost", checked)
+    for seed in range(8):
+        graph = random_training_graph(seed)
+        low = budget_bounds(graph).upper
+        for budget in (low, (low + solve_store_all(graph).predicted_peak) // 2):
+            solve_dtr(graph, budget, heuristic=heuristic)
+    assert answered

@@ -111,4 +111,5 @@ def test_the_floors_proven_before_the_solve_count_against_its_time_limit(monkeyp
     monkeypatch.setitem(RUNTIME_SOLVERS, "rockmate", spied)
     planned = plan(joint, 0.6, PlanOptions(profile="estimate", solver_options={"time_limit": 10}))
     assert planned.schedule.predicted_peak <= planned.budget
-    assert given and given[0] <= 10 - delay
+    # Autograd's graph's solve, and the lean variant's where it is solved: each after a floor of its own.
+    assert given and all(limit <= 10 - delay for limit in given), given

@@ -45,6 +45,7 @@ from solvers import (
 )
 from solvers.backward_order import delayed_branches
 from solvers.bounds import chain_order_floor, in_order_floor, min_memory_length, min_memory_schedule, time_lower_bound
+from solvers.chain import chain_blocks
 from solvers.ilp_model import CheckmateMilp, memory_unit, stages_of
 from solvers.simulate import schedule_from_computes, to_recompute
 from tests.graph_factories import chain_graph, random_training_graph, training_graph
@@ -361,6 +362,30 @@ def test_the_time_floors_knapsacks_count_what_lives_across_each_moment_and_skip_
         assert time_lower_bound(graph, budget, closure=False) == skipping
 
 
+@FAST
+@given(seed=st.integers(0, 10**6))
+def test_the_chain_floor_holds_every_gradient_the_blocks_run_before_made(seed: int) -> None:
+    """`chain_order_floor` sums the gradients held at each node by producer, as bit sets: the
+    same floor as naming them, as a loop over the chain's blocks says (the gradients the blocks
+    run before made, less those the node's own floor counts)."""
+    graph = random_training_graph(seed, max_forward=7, weight_nodes=True)
+    _, backward = chain_blocks(graph)
+    ancestors = bounds._ancestors(graph)
+    floors = bounds._step_floors(graph, ancestors)
+    gradients = bounds._gradients(graph)
+    best = max(bounds._phase_floors(graph))[0]
+    later: set[str] = set()
+    for block in reversed(backward):
+        for name in block:
+            if name in floors:
+                node, k = graph.node(name), graph.index[name]
+                counted = {*node.inputs, *node.outputs, *bounds._held_at(graph, node),
+                           *(d for i, d in gradients if ancestors[k] >> i & 1)}
+                best = max(best, floors[name][0] + sum(graph.data[d].size for d in later - counted))
+        later.update(d for name in block for d in graph.node(name).outputs if d in set(graph.backward_outputs))
+    assert chain_order_floor(graph)[0] == best
+
+
 def test_the_time_floor_counts_the_inputs_of_what_is_made_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """A value made again after a moment needs its producer's inputs then too. The knapsacks
     alone price each remade value at its producer's time as if its inputs were at hand; the
@@ -447,6 +472,7 @@ def test_a_floor_under_a_time_limit_proves_what_it_can_in_it_and_is_proven_again
     graph = rkgraph.capture(model, args, kwargs)
     budget = int(1.05 * min_feasible_budget(graph))
     monkeypatch.setattr(bounds, "INTERVAL_TIME", 60.0)  # solved to the end even on a loaded machine
+    monkeypatch.setattr(bounds, "CLOSURE_TIME", 60.0)
     knapsacks = time_lower_bound(graph, budget, closure=False)
     assert time_lower_bound(graph, budget, time_limit=0.0) == knapsacks
     full = time_lower_bound(graph, budget)
