@@ -873,6 +873,10 @@ def test_saved_values_model_has_one_memory_row_per_run_of_steps_missing_the_same
         assert set(family.absent_in[family.run_of[t]]) == {d for d, (last, first) in family.gaps.items()
                                                              if last < t < first}
     assert [start for start, _ in family.runs] == sorted({start for start, _ in family.runs})
+    # The model sums each run's saved bytes as a running sum: what opens there, less what closed before.
+    for i in range(len(family.runs)):
+        before = set(family.absent_in[i - 1]) - set(family.closing[i - 1]) if i else set()
+        assert set(family.absent_in[i]) == before | set(family.opening[i])
 
 
 @settings(max_examples=60, deadline=None)
