@@ -288,6 +288,9 @@ class _DtrRun:
         when evicting all of them would not be enough."""
         if self.budget is None or self.memory + need <= self.budget:
             return
+        # Here as well as every DEADLINE_EVERY computations: on a graph of thousands of nodes
+        # each shortfall scores every resident tensor, and those computations take long.
+        self.check_deadline()
         # What may be evicted (see `never_evicted`): asked of every resident tensor at every shortfall.
         pins, memo, forward_outputs = self.pins, self.recomputable_memo, self.forward_outputs
         candidates = {d for d in self.resident - self.never_evicted
@@ -359,10 +362,8 @@ class _DtrRun:
         released = released_inside(self.graph, node, self.dying(node)) if program and node.releases else 0
         self.make_room(outputs + node.workspace - released, node.name)
         step = len(self.computes)
-        if step % DEADLINE_EVERY == 0 and time.perf_counter() > self.deadline:
-            raise InfeasibleBudget(
-                f"DTR stopped at its time limit after {step} computations, {self.position} of the graph's "
-                f"{len(self.graph.nodes)} ops run: it keeps evicting what it must recompute soon (thrashing)")
+        if step % DEADLINE_EVERY == 0:
+            self.check_deadline()
         self.computes.append(node.name)
         for d in node.outputs:
             if d not in self.resident:
@@ -378,6 +379,13 @@ class _DtrRun:
         for d in node.inputs:
             self.last_access[d] = step
         self.pins.subtract(node.inputs)
+
+    def check_deadline(self) -> None:
+        """InfeasibleBudget once the run's time is up."""
+        if time.perf_counter() > self.deadline:
+            raise InfeasibleBudget(
+                f"DTR stopped at its time limit after {len(self.computes)} computations, {self.position} of the "
+                f"graph's {len(self.graph.nodes)} ops run: it keeps evicting what it must recompute soon (thrashing)")
 
     def dying(self, node: ComputeNode) -> set[str]:
         """Inputs of the program's op `node` that `release_dead` drops right after it, which
