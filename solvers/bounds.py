@@ -64,6 +64,25 @@ def _gradients(graph: RematGraph) -> list[tuple[int, str]]:
             if (producer := graph.data[d].producer) is not None]
 
 
+def _gradients_by_producer(graph: RematGraph) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
+    """(per node: bytes and number of the gradients it makes; each gradient's producer index)."""
+    count = len(graph.nodes)
+    made_bytes = np.zeros(count, dtype=np.int64)
+    made_count = np.zeros(count, dtype=np.int64)
+    made_by = {}
+    for i, d in _gradients(graph):
+        made_bytes[i] += graph.data[d].size
+        made_count[i] += 1
+        made_by[d] = i
+    return made_bytes, made_count, made_by
+
+
+def _members(bits: int, count: int) -> np.ndarray:
+    """The bit set `bits` over `count` nodes as a boolean mask (bit i: node i)."""
+    return np.unpackbits(np.frombuffer(bits.to_bytes((count + 7) // 8, "little"), dtype=np.uint8),
+                         bitorder="little", count=count).astype(bool)
+
+
 def _held_at(graph: RematGraph, node: ComputeNode) -> list[str]:
     """What stays alive through a backward node beyond its own values: the tangents and the user's outputs."""
     return [*graph.tangents, *graph.user_outputs] if node.backward else []
@@ -84,18 +103,9 @@ def _step_floors(graph: RematGraph, ancestors: list[int]) -> dict[str, tuple[int
     before it, never freed: the parameter gradients of a whole model, at its last backward
     nodes). The gradients are summed as bit sets (those made by a node's ancestors), not
     listed per node: a deep model has hundreds, and as many nodes after them."""
-    gradients = _gradients(graph)
     count = len(graph.nodes)
-    made_bytes = np.zeros(count, dtype=np.int64)  # per node: bytes and number of the gradients it makes
-    made_count = np.zeros(count, dtype=np.int64)
-    grad_mask = 0
-    made_by = {}
-    for i, d in gradients:
-        made_bytes[i] += graph.data[d].size
-        made_count[i] += 1
-        grad_mask |= 1 << i
-        made_by[d] = i
-    width = (count + 7) // 8
+    made_bytes, made_count, made_by = _gradients_by_producer(graph)
+    grad_mask = sum(1 << i for i in set(made_by.values()))  # the nodes that make gradients
     floors = {}
     for name in needed_nodes(graph):
         node = graph.node(name)
@@ -104,8 +114,7 @@ def _step_floors(graph: RematGraph, ancestors: list[int]) -> dict[str, tuple[int
         made_before = ancestors[graph.index[name]] & grad_mask
         before_bytes = before_count = 0
         if made_before:
-            members = np.unpackbits(np.frombuffer(made_before.to_bytes(width, "little"), dtype=np.uint8),
-                                    bitorder="little", count=count).astype(bool)
+            members = _members(made_before, count)
             before_bytes, before_count = int(made_bytes[members].sum()), int(made_count[members].sum())
         # Gradients made before it that it reads or holds anyway are counted once.
         counted = [d for d in own if d in made_by and made_before >> made_by[d] & 1]
@@ -190,13 +199,7 @@ def chain_order_floor(graph: RematGraph) -> tuple[int, str]:
     # The gradients held at a node: those the nodes of the blocks run before made, less those
     # its floor counts (made by its ancestors, or among its own values). By producer, as bit
     # sets: a deep model has hundreds of gradients and thousands of nodes after them.
-    count = len(graph.nodes)
-    width = (count + 7) // 8
-    made_bytes = np.zeros(count, dtype=np.int64)
-    made_by: dict[str, int] = {}
-    for i, d in _gradients(graph):
-        made_bytes[i] += graph.data[d].size
-        made_by[d] = i
+    made_bytes, _, made_by = _gradients_by_producer(graph)
     later = 0  # the producers of the gradients made by the blocks whose backward ran before
     for block in reversed(backward):
         for name in block:
@@ -207,8 +210,7 @@ def chain_order_floor(graph: RematGraph) -> tuple[int, str]:
             if not held:
                 alive = floors[name][0]
             else:
-                members = np.unpackbits(np.frombuffer(held.to_bytes(width, "little"), dtype=np.uint8),
-                                        bitorder="little", count=count).astype(bool)
+                members = _members(held, len(graph.nodes))
                 own = dict.fromkeys([*node.inputs, *node.outputs, *_held_at(graph, node)])
                 alive = floors[name][0] + int(made_bytes[members].sum()) - sum(
                     graph.data[d].size for d in own if d in made_by and held >> made_by[d] & 1)
@@ -663,8 +665,7 @@ class _LiveAcross:
 
     def producers(self, k: int, alive: Iterable[str]) -> tuple[np.ndarray, np.ndarray]:
         """(producers, bytes) of what moment k counts, by producer in graph order, bytes > 0."""
-        above = np.unpackbits(np.frombuffer(self.ancestors[k].to_bytes(self.width, "little"), dtype=np.uint8),
-                              bitorder="little", count=self.count).astype(bool)
+        above = _members(self.ancestors[k], self.count)
         live = ((self.readers_above[:, k >> 3] >> (k & 7)) & 1).astype(bool) & above[self.producer]
         live[[self.position[d] for d in alive if d in self.position]] = False
         weights = np.bincount(self.producer[live], weights=self.size[live], minlength=self.count)
@@ -772,8 +773,7 @@ class _Remade:
 
     def members(self, bits: int) -> np.ndarray:
         """The bit set as a boolean mask over the graph's nodes."""
-        return np.unpackbits(np.frombuffer(bits.to_bytes((self.count + 7) // 8, "little"), dtype=np.uint8),
-                             bitorder="little", count=self.count).astype(bool)
+        return _members(bits, self.count)
 
 
 def _min_memory_stages(graph: RematGraph, remade: _Remade, forward_once: bool) -> Iterator[tuple[ComputeNode, int]]:

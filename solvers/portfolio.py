@@ -237,9 +237,8 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
     if budget < bounds.reachable[0]:  # every member's search would end without a schedule
         raise InfeasibleBudget(f"no schedule of the portfolio's solvers fits within {budget} bytes "
                                f"({format_bytes(budget)}); {bounds.describe()}")
-    given_floor = floor is not None
+    floor_proven = floor is None  # in full (the interval MILP's stage included), within the time allowed
     floor, floor_reason = time_lower_bound(graph, budget, time_limit=time_limit) if floor is None else floor
-    floor_proven = not given_floor  # in full (the interval MILP's stage included), within the time allowed
 
     def prove_floor_in_full() -> None:
         """The caller's floor proven again with `time_lower_bound`'s MILPs, within what is left

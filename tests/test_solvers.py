@@ -374,6 +374,7 @@ def test_the_chain_floor_holds_every_gradient_the_blocks_run_before_made(seed: i
     floors = bounds._step_floors(graph, ancestors)
     gradients = bounds._gradients(graph)
     best = max(bounds._phase_floors(graph))[0]
+    backward_outputs = set(graph.backward_outputs)
     later: set[str] = set()
     for block in reversed(backward):
         for name in block:
@@ -382,7 +383,7 @@ def test_the_chain_floor_holds_every_gradient_the_blocks_run_before_made(seed: i
                 counted = {*node.inputs, *node.outputs, *bounds._held_at(graph, node),
                            *(d for i, d in gradients if ancestors[k] >> i & 1)}
                 best = max(best, floors[name][0] + sum(graph.data[d].size for d in later - counted))
-        later.update(d for name in block for d in graph.node(name).outputs if d in set(graph.backward_outputs))
+        later.update(d for name in block for d in graph.node(name).outputs if d in backward_outputs)
     assert chain_order_floor(graph)[0] == best
 
 
