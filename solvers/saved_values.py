@@ -14,9 +14,13 @@ forward value the backward reads (saved[d]) and one per forward node (again[v]: 
 
 d is unsaved at step t when it is not saved and t lies strictly between its last forward read
 and its first backward read: memory at step t is the store-everything schedule's less those
-values. The model leaves out the recomputations' own transient memory (an ancestor remade only
-to remake d, a recomputed op's workspace), so the schedule is built and replayed by the
-simulator, and M is lowered by the overshoot until it fits.
+values. A value is held before its first backward read where a node reading it is remade
+earlier, and a chain of remade nodes (a convolution, its normalization and its activation, remade
+for the activation's gradient) brings that far forward; the model follows the nodes that a
+replayed choice remade, with a continuous recomputed[v, i] per node and backward run
+(`_Family._early_presence`). It leaves out the recomputations' own transient memory (an
+ancestor freed in the forward remade only to remake d, a recomputed op's workspace), so the
+schedule is built and replayed by the simulator, and M is lowered by the overshoot until it fits.
 
 PyTorch bounds the saved values' total by a ratio of its own estimate, which a caller bisects;
 this bounds the memory at every step, in bytes, and the model is small enough (a binary per
@@ -40,6 +44,17 @@ from solvers.store_all import solve_store_all
 
 NAME = "saved_values"
 MIP_GAP = 1e-3  # within the family: its optimum is what is wanted, and it comes in milliseconds
+# The most columns the model may gain to follow remade nodes (`_Family._early_presence`): one per
+# node and backward run, so they grow with the square of depth. The Hugging Face and zoo models
+# of a few hundred nodes need under 15,000 and HiGHS solves them in about a second; GPT-2 with 48
+# layers would need 350,000 and a bidirectional GRU 2 million, where one attempt outlasts the
+# search's share. Beyond it the attempts lower the limits instead.
+CHAIN_COLUMNS = 30_000
+# An overshoot (relative to the budget) that lowering the limits mends at once, in an attempt or
+# two: a transient the model leaves out. Above it the next attempt follows the remade nodes: on
+# the zoo's and Hugging Face's graphs the first choices over by 2% to 40% were held by chains of
+# remade nodes, and those over by less fitted as well with lowered limits, several times sooner.
+CHAIN_OVERSHOOT = 0.01
 
 
 class _Family:
@@ -74,15 +89,39 @@ class _Family:
         cuts = sorted({0, len(graph.nodes), *(c for last, first in self.gaps.values() for c in (last + 1, first))})
         self.runs = [(start, end) for start, end in zip(cuts, cuts[1:]) if start < end]
         self.run_of = [i for i, (start, end) in enumerate(self.runs) for _ in range(start, end)]
-        self.absent_in: list[list[str]] = [[] for _ in self.runs]
         self.opening: list[list[str]] = [[] for _ in self.runs]  # the values first absent in each run
         self.closing: list[list[str]] = [[] for _ in self.runs]  # ... and last absent in it
         for d, (last, first) in self.gaps.items():
-            opens, closes = self.run_of[last + 1], self.run_of[first - 1]
-            self.opening[opens].append(d)
-            self.closing[closes].append(d)
-            for i in range(opens, closes + 1):
-                self.absent_in[i].append(d)
+            self.opening[self.run_of[last + 1]].append(d)
+            self.closing[self.run_of[first - 1]].append(d)
+        # The values absent in each run when nothing is saved, and their bytes, as running sums.
+        self.absent_count: list[int] = []
+        self.absent_bytes: list[int] = []
+        count = absent = 0
+        for i in range(len(self.runs)):
+            closed = self.closing[i - 1] if i else []
+            count += len(self.opening[i]) - len(closed)
+            absent += sum(graph.data[d].size for d in self.opening[i]) - sum(graph.data[d].size for d in closed)
+            self.absent_count.append(count)
+            self.absent_bytes.append(absent)
+        self.backward_run = self.run_of[self.nf] if self.nf < len(graph.nodes) else len(self.runs)
+        # Forward node v -> the last run at which recomputing v reads a value in its gap (its own
+        # input, or, through values freed in the forward, an ancestor's): after it, v's
+        # recomputation needs nothing absent. -1 where it never does.
+        self.needs_until: dict[str, int] = {}
+        for v in graph.forward_nodes:
+            until = -1
+            for x in graph.reads[v.name]:
+                if x in self.gaps:
+                    until = max(until, self.run_of[self.gaps[x][1] - 1])
+                elif x in self.forward_only:
+                    until = max(until, self.needs_until.get(graph.data[x].producer, -1))
+            self.needs_until[v.name] = until
+        # The forward nodes whose recomputation time the model follows (`solve`): those a replayed
+        # choice recomputed, added attempt by attempt (`saved_values_attempts`).
+        self.chained: set[str] = set()
+        self.forward_names = {v.name for v in graph.forward_nodes}
+        self.absent_modelled: list[float] = []  # per run, the bytes the latest answer leaves absent
         self.store_all_steps = self._store_all_steps()
 
     def _store_all_steps(self) -> list[int]:
@@ -93,7 +132,8 @@ class _Family:
 
     def solve(self, memory: list[int], time_limit: float) -> set[str] | None:
         """The values saved by the fastest choice whose modelled memory stays within
-        `memory[t]` bytes at each step t; None when there is none (or HiGHS found none in time)."""
+        `memory[t]` bytes at each step t; None when there is none (or HiGHS found none in time).
+        Sets `absent_modelled` for the answer."""
         graph = self.graph
         unit = max(1.0, max(memory) / 10_000)  # small coefficients, whatever the model's size
         b = MilpBuilder()
@@ -111,25 +151,31 @@ class _Family:
                     b.row([saved[x], again[producer], again[v.name]], [1, 1, -1], 0, math.inf)
                 elif x in self.forward_only:
                     b.row([again[producer], again[v.name]], [1, -1], 0, math.inf)
+        early = self._early_presence(b, saved)
         # Per run, kept[i]: the bytes (in units) of the values absent there but saved, as a
         # running sum: the values whose gap opens in run i added, those whose gap closed in the
         # run before taken off. One row per run with each value in two of them, not each run's
         # whole list: on a deep model the lists sum to about the square of its values, and
         # HiGHS's presolve alone then took longer than the saved-values search's share.
         kept_before: int | None = None  # column of kept[i - 1]; None where nothing was absent
-        absent_bytes = 0
+        kept_cols: list[int | None] = []
         for i, (start, end) in enumerate(self.runs):
-            absent_bytes += sum(graph.data[d].size for d in self.opening[i])
-            absent_bytes -= sum(graph.data[d].size for d in self.closing[i - 1]) if i else 0
+            absent_bytes = self.absent_bytes[i]
             # The run's most binding step: its limit implies the others' (the same values).
             over = max(self.store_all_steps[t] - memory[t] for t in range(start, end))
             if over > absent_bytes:
                 return None  # even with nothing saved, a step of the run is above its limit
-            if not self.absent_in[i]:
+            if not self.absent_count[i]:
                 kept_before = None
+                kept_cols.append(None)
                 continue
-            # sum size * (1 - saved) >= over, i.e. sum size * saved <= sum size - over
-            kept = b.var(0.0, (absent_bytes - over) / unit if over > 0 else math.inf)
+            # sum size * (1 - saved) - early presence >= over, i.e.
+            # kept + early presence <= sum size - over
+            limit = (absent_bytes - over) / unit if over > 0 else math.inf
+            kept = b.var(0.0, math.inf if early[i] else limit)
+            if early[i] and over > 0:
+                b.row([kept, *(col for col, _ in early[i])], [1.0, *(size / unit for _, size in early[i])],
+                      -math.inf, limit)
             cols = [kept, *(saved[d] for d in self.opening[i])]
             vals = [1.0, *(-graph.data[d].size / unit for d in self.opening[i])]
             if kept_before is not None:
@@ -137,6 +183,7 @@ class _Family:
                 vals += [-1.0, *(graph.data[d].size / unit for d in self.closing[i - 1])]
             b.row(cols, vals, 0.0, 0.0)
             kept_before = kept
+            kept_cols.append(kept)
         h = b.highs()
         h.setOptionValue("time_limit", float(max(0.01, time_limit)))
         h.setOptionValue("mip_rel_gap", MIP_GAP)
@@ -145,12 +192,66 @@ class _Family:
         if h.getInfo().primal_solution_status != 2:  # 2 = feasible
             return None
         x = np.asarray(h.getSolution().col_value)
+        self.absent_modelled = [
+            0.0 if kept is None else
+            self.absent_bytes[i] - unit * x[kept] - sum(size * x[col] for col, size in early[i])
+            for i, kept in enumerate(kept_cols)]
         return {d for d, col in saved.items() if x[col] > 0.5}
 
-    def modelled(self, t: int, saved: set[str]) -> int:
-        """The model's memory at step t for the values `saved`."""
-        absent = self.absent_in[self.run_of[t]]
-        return self.store_all_steps[t] - sum(self.graph.data[d].size for d in absent if d not in saved)
+    def _early_presence(self, b: MilpBuilder, saved: dict[str, int]) -> list[list[tuple[int, int]]]:
+        """Columns of `b` for the values present before their gap ends, per run: (column, bytes).
+
+        The backward remakes a forward node v (again[v]) where a value it reads is absent, at
+        the first backward read of an unsaved output of v, or earlier, where a node remade
+        earlier reads an output of v that is unsaved (or freed in the forward); its inputs are
+        then made or at hand, and each lives to its last read. So a value absent until its first
+        backward read is present from where a node reading it is remade: held longer than its
+        gap says, by the whole span of a chain of remade nodes. For the nodes in `chained`:
+        recomputed[v, i] (continuous, 1 at the optimum where v is remade by run i, the runs from
+        the backward's first to the last where v needs a value in its gap, `needs_until`), and
+        early[x, i] >= recomputed[v, i] - saved[x] for each value x such a node reads, in each
+        run of its gap from the backward's first."""
+        graph = self.graph
+        recomputed: dict[tuple[str, int], int] = {}
+        for v in self.chained:
+            for i in range(self.backward_run, self.needs_until[v] + 1):
+                recomputed[v, i] = b.var(0.0, 1.0)
+        for v in self.chained:
+            for d in graph.node(v).outputs:  # remade for its own output's first backward read
+                if d in self.gaps:
+                    for i in range(self.run_of[self.gaps[d][1]], self.needs_until[v] + 1):
+                        b.row([recomputed[v, i], saved[d]], [1, 1], 1, math.inf)
+            for y in graph.reads[v]:  # remade for a node remade earlier
+                producer = graph.data[y].producer
+                if producer not in self.chained or (y not in self.gaps and y not in self.forward_only):
+                    continue
+                for i in range(self.backward_run, min(self.needs_until[v], self.needs_until[producer]) + 1):
+                    if y in self.gaps:
+                        b.row([recomputed[producer, i], recomputed[v, i], saved[y]], [1, -1, 1], 0, math.inf)
+                    else:
+                        b.row([recomputed[producer, i], recomputed[v, i]], [1, -1], 0, math.inf)
+        early: list[list[tuple[int, int]]] = [[] for _ in self.runs]
+        for x, (last, first) in self.gaps.items():
+            readers = [v for v in graph.users[x] if v in self.chained]
+            if not readers:
+                continue
+            for i in range(max(self.run_of[last + 1], self.backward_run), self.run_of[first - 1] + 1):
+                col = b.var(0.0, 1.0)
+                for v in readers:
+                    b.row([col, recomputed[v, i], saved[x]], [1, -1, 1], 0, math.inf)
+                early[i].append((col, graph.data[x].size))
+        return early
+
+    def chain_columns(self, nodes: set[str]) -> int:
+        """The columns `_early_presence` adds to the model for following `nodes`."""
+        recomputed = sum(max(0, self.needs_until[v] - self.backward_run + 1) for v in nodes)
+        early = sum(max(0, self.run_of[first - 1] - max(self.run_of[last + 1], self.backward_run) + 1)
+                    for x, (last, first) in self.gaps.items() if any(v in nodes for v in self.graph.users[x]))
+        return recomputed + early
+
+    def modelled(self, t: int) -> float:
+        """The model's memory at step t in its latest answer (`solve`)."""
+        return self.store_all_steps[t] - self.absent_modelled[self.run_of[t]]
 
     def schedule(self, saved: set[str]) -> Schedule:
         """Forward once; at the boundary the unsaved values go; the backward remakes what it
@@ -196,8 +297,13 @@ def saved_values_attempts(graph: RematGraph, budget: int, time_limit: float = 5.
                           attempts: int = 8) -> list[Schedule]:
     """The schedule of each attempt, in order; only the last may fit `budget`. Each attempt
     solves the model with a memory limit per step (the budget at first) and replays its
-    schedule; at each step that overshoots, the limit is lowered by as much (the model misses
-    the recomputations' transient memory there). The attempts that overshoot are good starts
+    schedule. Where it overshoots and remade forward nodes whose recomputation time the model
+    did not follow, the next attempt follows them (`_Family.chained`): a chain of remade nodes
+    holds values from the start of the chain's recomputation, and on a CNN (a convolution,
+    its normalization and activation remade together) that held the first choice far over the
+    budget, where lowering the limits alone made the next attempt infeasible. Otherwise, at
+    each step that overshoots, the limit is lowered by as much (the model misses the
+    recomputations' transient memory there). The attempts that overshoot are good starts
     for peak shaving: the first can meet the proven floor on time while only a little over
     the budget, where the later attempt that fits is slower, and peak shaving repairs the first
     to fit at almost no cost in time."""
@@ -213,11 +319,16 @@ def saved_values_attempts(graph: RematGraph, budget: int, time_limit: float = 5.
         over = {t: memory - budget for t, memory in _step_memory(graph, found[-1]).items() if memory > budget}
         if not over or time.perf_counter() > deadline:
             break
+        remade = {op.name for op in found[-1].backward_ops if op.kind == "compute"} & family.forward_names
+        if (max(over.values()) > CHAIN_OVERSHOOT * budget and not remade <= family.chained
+                and family.chain_columns(family.chained | remade) <= CHAIN_COLUMNS):
+            family.chained |= remade
+            continue
         # Below what the model counted at t, not below the limit: where the model was under its
         # limit, a limit lowered by the excess alone may not bind, and the same choice comes back,
         # attempt after attempt, a little over.
         for t, excess in over.items():
-            limits[t] = min(limits[t], family.modelled(t, saved)) - excess
+            limits[t] = min(limits[t], family.modelled(t)) - excess
     return found
 
 
