@@ -46,13 +46,13 @@ NAME = "saved_values"
 MIP_GAP = 1e-3  # within the family: its optimum is what is wanted, and it comes in milliseconds
 # The most columns the model may gain to follow remade nodes (`_Family._early_presence`): one per
 # node and backward run, so they grow with the square of depth. The Hugging Face and zoo models
-# of a few hundred nodes need under 15,000 and HiGHS solves them in about a second; GPT-2 with 48
-# layers would need 350,000 and a bidirectional GRU 2 million, where one attempt outlasts the
-# search's share. Beyond it the attempts lower the limits instead.
+# of a few hundred nodes stay well under it, and HiGHS solves them within the search's share;
+# GPT-2 with 48 layers or a bidirectional GRU would need ten to a hundred times more, where one
+# attempt outlasts that share. Beyond it the attempts lower the limits instead.
 CHAIN_COLUMNS = 30_000
 # An overshoot (relative to the budget) that lowering the limits mends at once, in an attempt or
 # two: a transient the model leaves out. Above it the next attempt follows the remade nodes: on
-# the zoo's and Hugging Face's graphs the first choices over by 2% to 40% were held by chains of
+# the zoo's and Hugging Face's graphs the first choices over by more were held by chains of
 # remade nodes, and those over by less fitted as well with lowered limits, several times sooner.
 CHAIN_OVERSHOOT = 0.01
 
