@@ -949,9 +949,12 @@ def test_saved_values_follows_the_chains_of_remade_nodes_that_hold_its_choice_ov
     budget = int(0.5 * solve_store_all(graph).predicted_peak)
     found = solve_saved_values(graph, budget, time_limit=60)
     assert simulate(graph, found, budget).peak <= budget
-    monkeypatch.setattr(saved_values, "CHAIN_OVERSHOOT", math.inf)  # limits lowered only
-    with pytest.raises(InfeasibleBudget):
-        solve_saved_values(graph, budget, time_limit=60)
+    # Limits lowered only: chains not followed at any overshoot, or beyond the columns allowed.
+    for constant, value in (("CHAIN_OVERSHOOT", math.inf), ("CHAIN_COLUMNS", 0)):
+        with monkeypatch.context() as patched:
+            patched.setattr(saved_values, constant, value)
+            with pytest.raises(InfeasibleBudget):
+                solve_saved_values(graph, budget, time_limit=60)
 
 
 @pytest.mark.parametrize(("seed", "max_forward", "fraction"), [(141, 10, 0.9), (331, 10, 0.8), (362, 6, 0.8)])
