@@ -698,11 +698,17 @@ def _check_inputs_come_from_graphs(gm: fx.GraphModule, example_inputs: list[Any]
             f"any captured graph, after the break: {where}. Dynamo ran it in Python, so what it keeps for the "
             "backward is outside the plan and the budget. Make the call traceable (for a library op: "
             "torch.library.custom_op with register_fake), or move it out of the planned step. If it is the "
-            "model's own code, Dynamo ran a whole function eagerly: a graph break inside a for/while loop, "
-            "even one inside a module or function the loop calls (a branch on a tensor in a block of a loop "
-            "over blocks), makes Dynamo skip the frame with the loop (TORCH_LOGS=graph_breaks: \"graph break "
-            "in loop\", \"frame skipped\"). Move the break out of the loop (before or after it, or between "
-            "the model and its loss) or make it branchless (torch.where, torch.cond).")
+            "model's own code, Dynamo ran a whole function eagerly: " + _LOOP_BREAK)
+
+
+# Why Dynamo runs a model's own function eagerly, and what to do about it.
+_LOOP_BREAK = (
+    "a graph break inside a for/while loop, even one inside a module or function the loop calls (a branch on "
+    "a tensor in a block of a loop over blocks), makes Dynamo skip the frame with the loop (TORCH_LOGS="
+    "graph_breaks: \"graph break in loop\", \"frame skipped\"). Move the break out of the loop (before or "
+    "after it, or between the model and its loss) or make it branchless (torch.where, torch.cond). A branch "
+    "on a random draw that skips a layer (LayerDrop: `layerdrop`, `encoder_layerdrop`, `decoder_layerdrop` "
+    "in a Hugging Face config) cannot be made branchless: set its probability to 0 to train with rockplan.")
 
 
 def _graph_key(gm: fx.GraphModule, example_inputs: list[Any], kinds: list[str]) -> str | None:
@@ -853,6 +859,7 @@ class GraphBreaks:
         self.backend = Backend(budget, parameters=model.parameters(), options=replace(options, profile=profile),
                                plan_cache=plan_cache)
         self.compiled = torch.compile(model, backend=self.backend, dynamic=False)
+        self.model = model
         self.why = why
         log.info("%s is not one graph (%s): planning each graph Dynamo captures", options.name,
                  str(why).splitlines()[0])
@@ -865,7 +872,7 @@ class GraphBreaks:
         from torch._dynamo.exc import BackendCompilerFailed
 
         try:
-            return self.compiled(*args, **kwargs)
+            out = self.compiled(*args, **kwargs)
         except BackendCompilerFailed as e:
             cause = e.inner_exception
             if isinstance(cause, CaptureError):
@@ -875,6 +882,14 @@ class GraphBreaks:
             raise
         except CaptureError as e:
             raise self._with_why(e) from None
+        if not self.graphs and torch.is_grad_enabled() and any(p.requires_grad for p in self.model.parameters()):
+            # Dynamo compiles no frame of PyTorch's own modules alone: a loop over them that it
+            # skips leaves the whole step eager, unplanned and over the budget, with no error.
+            raise self._with_why(CaptureError(
+                f"Dynamo captured no graph of {type(self.model).__name__}'s training step: it ran all of it in "
+                "Python, so nothing was planned and the budget would not be kept. It ran a whole function "
+                "eagerly: " + _LOOP_BREAK))
+        return out
 
     def _with_why(self, error: CaptureError) -> CaptureError:
         """`error` with where the step stopped being one graph: often the very branch Dynamo could

@@ -534,6 +534,40 @@ def test_a_break_inside_a_loop_is_refused_naming_the_loop() -> None:
     assert "Mul" in message and "before the first graph" in message and "graph break in loop" in message
 
 
+class _LayerDrop(nn.Module):
+    """Hugging Face's LayerDrop: each layer skipped at random in training, a branch on a drawn
+    tensor inside the loop over layers (M2M100 and NLLB by default, HuBERT and Wav2Vec2)."""
+
+    def __init__(self, layerdrop: float) -> None:
+        super().__init__()
+        self.layerdrop = layerdrop
+        self.inp, self.out = nn.Linear(64, 64), nn.Linear(64, 8)
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        for layer in self.layers:
+            if self.training and self.layerdrop > 0.0 and torch.rand([]) < self.layerdrop:  # (as HF writes it)
+                continue
+            h = torch.tanh(layer(h))
+        return self.out(h).square().mean()
+
+
+def test_layerdrop_is_refused_saying_to_set_its_probability_to_zero() -> None:
+    """A layer skipped at random is another graph at each draw: no plan can follow it, and it
+    cannot be written branchless. The refusal says what the user can do: turn it off."""
+    x = torch.randn(32, 64)
+    # The loop calls only PyTorch's own modules, which Dynamo does not compile alone: skipping
+    # the loop's frame captured no graph at all, and the step ran unplanned, saying nothing.
+    with pytest.raises(CaptureError, match=r"(?s)captured no graph.*graph break in loop.*LayerDrop: `layerdrop`.*"
+                                           r"set its probability to 0.*stopped here: .*torch\.rand"):
+        Rockmate(_LayerDrop(0.1), x, 10**9)(x)
+    model = _LayerDrop(0.0)
+    eager = copy.deepcopy(model)
+    planned = Rockmate(model, x, 10**9)
+    torch.testing.assert_close(planned(x), eager(x))
+
+
 def test_rockmate_refusing_a_break_inside_a_loop_names_the_branch() -> None:
     """Through `Rockmate` (the model is not one graph, so Dynamo splits it), the refusal of a
     break inside a loop also says where the one-graph capture stopped: the branch itself."""
