@@ -120,7 +120,6 @@ class _Family:
         # The forward nodes whose recomputation time the model follows (`solve`): those a replayed
         # choice recomputed, added attempt by attempt (`saved_values_attempts`).
         self.chained: set[str] = set()
-        self.forward_names = {v.name for v in graph.forward_nodes}
         self.absent_modelled: list[float] = []  # per run, the bytes the latest answer leaves absent
         self.store_all_steps = self._store_all_steps()
 
@@ -215,10 +214,7 @@ class _Family:
         well found no faster choice on the zoo's and Hugging Face's graphs, and on some took
         longer. The replay sees them, as it sees the transients."""
         graph = self.graph
-        recomputed: dict[tuple[str, int], int] = {}
-        for v in self.chained:
-            for i in range(self.backward_run, self.needs_until[v] + 1):
-                recomputed[v, i] = b.var(0.0, 1.0)
+        recomputed = {(v, i): b.var(0.0, 1.0) for v in self.chained for i in self._remade_runs(v)}
         for v in self.chained:
             for d in graph.node(v).outputs:  # remade for its own output's first backward read
                 if d in self.gaps:
@@ -234,23 +230,30 @@ class _Family:
                     else:
                         b.row([recomputed[producer, i], recomputed[v, i]], [1, -1], 0, math.inf)
         early: list[list[tuple[int, int]]] = [[] for _ in self.runs]
-        for x, (last, first) in self.gaps.items():
+        for x in self.gaps:
             readers = [v for v in graph.users[x] if v in self.chained]
             if not readers:
                 continue
-            for i in range(max(self.run_of[last + 1], self.backward_run), self.run_of[first - 1] + 1):
+            for i in self._early_runs(x):
                 col = b.var(0.0, 1.0)
                 for v in readers:
                     b.row([col, recomputed[v, i], saved[x]], [1, -1, 1], 0, math.inf)
                 early[i].append((col, graph.data[x].size))
         return early
 
+    def _remade_runs(self, v: str) -> range:
+        """The runs of v's recomputed[v, i]: from the backward's first to `needs_until[v]`."""
+        return range(self.backward_run, self.needs_until[v] + 1)
+
+    def _early_runs(self, x: str) -> range:
+        """The runs of x's early[x, i]: those of its gap from the backward's first."""
+        last, first = self.gaps[x]
+        return range(max(self.run_of[last + 1], self.backward_run), self.run_of[first - 1] + 1)
+
     def chain_columns(self, nodes: set[str]) -> int:
         """The columns `_early_presence` adds to the model for following `nodes`."""
-        recomputed = sum(max(0, self.needs_until[v] - self.backward_run + 1) for v in nodes)
-        early = sum(max(0, self.run_of[first - 1] - max(self.run_of[last + 1], self.backward_run) + 1)
-                    for x, (last, first) in self.gaps.items() if any(v in nodes for v in self.graph.users[x]))
-        return recomputed + early
+        return (sum(len(self._remade_runs(v)) for v in nodes)
+                + sum(len(self._early_runs(x)) for x in self.gaps if any(v in nodes for v in self.graph.users[x])))
 
     def modelled(self, t: int) -> float:
         """The model's memory at step t in its latest answer (`solve`)."""
@@ -322,7 +325,7 @@ def saved_values_attempts(graph: RematGraph, budget: int, time_limit: float = 5.
         over = {t: memory - budget for t, memory in _step_memory(graph, found[-1]).items() if memory > budget}
         if not over or time.perf_counter() > deadline:
             break
-        remade = {op.name for op in found[-1].backward_ops if op.kind == "compute"} & family.forward_names
+        remade = {op.name for op in found[-1].backward_ops if op.kind == "compute" and not graph.node(op.name).backward}
         if (max(over.values()) > CHAIN_OVERSHOOT * budget and not remade <= family.chained
                 and family.chain_columns(family.chained | remade) <= CHAIN_COLUMNS):
             family.chained |= remade

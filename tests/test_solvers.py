@@ -893,7 +893,7 @@ def test_saved_values_model_following_every_remade_node_never_counts_a_held_valu
     graph = random_training_graph(seed, max_forward=8)
     budget = budget_at(graph, fraction)
     family = saved_values._Family(graph)
-    family.chained = set(family.forward_names)
+    family.chained = {v.name for v in graph.forward_nodes}
     saved = family.solve([budget] * len(graph.nodes), time_limit=10)
     assume(saved is not None)
     schedule = family.schedule(saved)
