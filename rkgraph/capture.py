@@ -20,6 +20,7 @@ import inspect
 import logging
 import math
 import operator
+import random
 import sys
 import traceback
 import warnings
@@ -52,15 +53,22 @@ class CaptureError(RuntimeError):
 def splits_into_graphs(error: CaptureError) -> bool:
     """Whether capture failed where Dynamo ends a graph and runs the Python itself: a value read
     from a tensor (a branch on it, `.item()`), an output whose shape depends on values
-    (`nonzero`, boolean masks), a tensor's data handed to NumPy. An error the model raises
+    (`nonzero`, boolean masks), a tensor's data handed to NumPy, a draw from NumPy's or Python's
+    random numbers (Dynamo draws them again in every step). An error the model raises
     itself, or a bad argument, is not one: the model would fail the same way under Dynamo."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
     cause = error.__cause__
-    if isinstance(cause, (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)):
+    if isinstance(cause, (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode,
+                          HostRandomDraw)):
         return True
     return isinstance(cause, RuntimeError) and ".numpy() is not supported for tensor subclasses" in str(cause)
+
+
+class HostRandomDraw(Exception):
+    """The forward drew from NumPy's or Python's global random numbers while it was traced: the
+    graph would hold that one draw's values as constants (the cause of a CaptureError)."""
 
 
 class _PlanningFailed(Exception):
@@ -699,10 +707,12 @@ def trace(
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes = [mode.from_tensor(t) for t in tensors]
     with (
+        _host_draws_watched() as host_draws,
         _collections_spared(),
         preserved_rng(),  # ops with no tensor inputs run for real in the fake forward, draws included
         _native_kernels() if native_kernels else contextlib.nullcontext(),
         differentiable_lstm(),
+        mask_writes_as_where(),
         _side_effects_kept(),
         hooks_as_calls(model, flat.hooks),  # before the annotations' own hooks are added
         _module_path_annotations(model),
@@ -726,6 +736,13 @@ def trace(
             raise CaptureError(_explain_trace_failure(model, e) + capture_hint(flat.hooks)) from e
         finally:
             _IN_TRACE.reset(in_trace)
+    if host_draws:
+        raise CaptureError(
+            f"{type(model).__name__} draws random numbers from {' and '.join(host_draws)} in its forward: traced "
+            "once as one graph, every step would reuse this draw's values (a SpecAugment mask drawn with NumPy, "
+            "say). Dynamo runs that code in Python at each step, between graphs. To plan the step as one graph, "
+            "draw with torch (torch.rand, torch.bernoulli), whose draws the graph makes at each step."
+        ) from HostRandomDraw()
     warn_of_traced_hooks(model, flat.hooks, _user_stacklevel() + 1)
     if flat.dropped_cache:
         warnings.warn(
@@ -734,6 +751,32 @@ def trace(
             "generation; pass use_cache=False in the model's arguments to say none is expected.",
             stacklevel=_user_stacklevel(),
         )
+
+
+@contextlib.contextmanager
+def _host_draws_watched() -> Iterator[list[str]]:
+    """Yield a list that, on exit, names the generators outside torch the block drew from:
+    NumPy's global one (`np.random`) and Python's (`random`); both are restored on exit, so
+    tracing moves neither. A generator object the model keeps (`np.random.default_rng()`) is
+    not seen."""
+    numpy = sys.modules.get("numpy")  # a model that never imported NumPy draws nothing from it
+    python_state = random.getstate()
+    numpy_state = numpy.random.get_state(legacy=False) if numpy is not None else None
+    drew: list[str] = []
+    try:
+        yield drew
+    finally:
+        if random.getstate() != python_state:
+            drew.append("Python's random module")
+        random.setstate(python_state)
+        if numpy is not None:
+            now = numpy.random.get_state(legacy=False)
+            # MT19937's state: its key, the position in it, and a normal drawn in a pair kept for the next call.
+            if (now["state"]["pos"], now["has_gauss"], now["gauss"]) != (
+                    numpy_state["state"]["pos"], numpy_state["has_gauss"], numpy_state["gauss"]) \
+                    or not numpy.array_equal(now["state"]["key"], numpy_state["state"]["key"]):
+                drew.append("NumPy's global generator (np.random)")
+            numpy.random.set_state(numpy_state)
 
 
 # Allocations between collections of the youngest generation while tracing (Python's default: 700).
@@ -911,6 +954,84 @@ def differentiable_lstm() -> contextlib.AbstractContextManager[None]:
         return traced
 
     return _python_kernels_replaced(_LSTMS, without_onednn)
+
+
+def _mask_write(target: Any, index: Any, value: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For `target[index] = value` where `index` is one boolean mask over `target`'s leading
+    dimensions and `value` is the same for every position it selects: the mask shaped to
+    broadcast over `target` and the value shaped to broadcast over the rest, which `torch.where`
+    writes with no value-dependent shape. None for any other write, left as it is.
+
+    `index_put_` broadcasts the value to (positions selected, *rest) after dropping its leading
+    dimensions of size one; a value that keeps a leading dimension then has one entry per
+    selected position, a shape only the mask's values give."""
+    if isinstance(index, tuple) and len(index) == 1:
+        index = index[0]
+    if not (isinstance(target, torch.Tensor) and isinstance(value, torch.Tensor)
+            and isinstance(index, torch.Tensor) and index.dtype == torch.bool):
+        return None
+    leading = index.ndim
+    if not (0 < leading <= target.ndim and index.shape == target.shape[:leading]
+            and index.device == target.device and value.dtype == target.dtype):
+        return None  # eager indexes, or refuses (dtypes differ), as the trace then does
+    rest = tuple(target.shape[leading:])
+    shape = list(value.shape)
+    while len(shape) > len(rest) and shape[0] == 1:
+        shape.pop(0)
+    if len(shape) > len(rest):
+        return None
+    try:
+        if torch.broadcast_shapes(tuple(shape), rest) != rest:
+            return None
+    except RuntimeError:
+        return None
+    return index.reshape(*index.shape, *(1,) * len(rest)), value.reshape(shape)
+
+
+def _index_put_as_where(op: torch._ops.OpOverload, in_place: bool) -> Callable:
+    """`op` (`index_put_` or `index_put`) at the Autograd key: a write `_mask_write` takes is
+    `torch.where`'s (copied into `self` in place), any other the op's own kernel."""
+
+    def kernel(self: torch.Tensor, indices: list, values: torch.Tensor, accumulate: bool = False) -> torch.Tensor:
+        write = None if accumulate or len(indices) != 1 else _mask_write(self, indices[0], values)
+        if write is None:
+            with torch._C._DisablePythonDispatcher():  # past this kernel, to the op's own
+                return op(self, indices, values, accumulate)
+        mask, value = write
+        written = torch.where(mask, value, self)
+        return self.copy_(written) if in_place else written
+
+    return kernel
+
+
+_INDEX_PUTS = {torch.ops.aten.index_put_.default: True, torch.ops.aten.index_put.default: False}
+
+
+@contextlib.contextmanager
+def mask_writes_as_where() -> Iterator[None]:
+    """While tracing, `x[mask] = v` with one boolean mask over `x`'s leading dimensions and a
+    `v` the same at every position it selects (`_mask_write`; SpecAugment's learned mask
+    embedding in wav2vec 2.0 and HuBERT) is written as `x.copy_(torch.where(mask, v, x))`.
+
+    The same values and gradients, up to the order the gradient of `v` is summed in. Traced as
+    written, the write is `index_put_` on the mask's positions, and its backward gathers the
+    gradient of `v` at them (`nonzero`), a tensor whose shape only the mask's values give: no
+    plan can size it before the step runs. The write stays in place, as eager's: a view of `x`
+    sees it, and autograd refuses it where eager does (a leaf, or a value saved for the backward).
+
+    A Python kernel of `index_put_` at the Autograd key, which AOTAutograd's trace takes in place
+    of the ATen kernel (as torch._decomp's for dropout): only the writes pass through it, and
+    the rest of the model's calls run as they do without it."""
+    added = [op for op in _INDEX_PUTS if torch._C.DispatchKey.Autograd not in op.py_kernels]
+    for op in added:
+        op.py_kernels[torch._C.DispatchKey.Autograd] = _index_put_as_where(op, _INDEX_PUTS[op])
+        op._dispatch_cache.clear()  # the Python dispatcher caches the kernel resolved per key
+    try:
+        yield
+    finally:
+        for op in added:
+            del op.py_kernels[torch._C.DispatchKey.Autograd]
+            op._dispatch_cache.clear()
 
 
 @contextlib.contextmanager

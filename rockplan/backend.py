@@ -105,7 +105,14 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.fx.experimental.symbolic_shapes import free_symbols
 
-from rkgraph.capture import CaptureError, JointGraph, _native_kernels, differentiable_lstm, is_tangent
+from rkgraph.capture import (
+    CaptureError,
+    JointGraph,
+    _native_kernels,
+    differentiable_lstm,
+    is_tangent,
+    mask_writes_as_where,
+)
 from rkgraph.graph import RematGraph
 from rkgraph.rewrites import apply_rewrites
 from rkgraph.units import format_bytes
@@ -290,7 +297,7 @@ class Backend:
             backward._boxed_call = True  # type: ignore[attr-defined]
             return backward
 
-        with _native_kernels(), differentiable_lstm():
+        with _native_kernels(), differentiable_lstm(), mask_writes_as_where():
             return aot_autograd(fw_compiler=compile_generated, bw_compiler=compile_backward,
                                 partition_fn=partition)(gm, inputs)
 
@@ -688,8 +695,8 @@ def _check_inputs_come_from_graphs(gm: fx.GraphModule, example_inputs: list[Any]
     """Refuse a graph fed by autograd ops that ran outside any graph: what they keep for the
     backward is in no plan, so the budget could not be kept."""
     for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
-        grad_fn = value.grad_fn if isinstance(value, torch.Tensor) else None
-        if grad_fn is None or type(grad_fn).__name__ == "CompiledFunctionBackward":
+        grad_fn = _made_outside_graphs(value.grad_fn if isinstance(value, torch.Tensor) else None)
+        if grad_fn is None:
             continue
         op = type(grad_fn).__name__.removesuffix("Backward0").removesuffix("Backward1").removesuffix("Backward")
         where = graphs[-1].ends_at if graphs else "before the first graph"
@@ -699,6 +706,23 @@ def _check_inputs_come_from_graphs(gm: fx.GraphModule, example_inputs: list[Any]
             "backward is outside the plan and the budget. Make the call traceable (for a library op: "
             "torch.library.custom_op with register_fake), or move it out of the planned step. If it is the "
             "model's own code, Dynamo ran a whole function eagerly: " + _LOOP_BREAK)
+
+
+def _made_outside_graphs(grad_fn: Any) -> Any:
+    """The autograd node run outside any graph that made a graph's input, or None where graphs
+    (or nothing) made it. A graph that writes into its input in place (`x[mask] = v` on an
+    activation, where a break ends the graph) returns the new value, and AOTAutograd copies it
+    into the input after the graph (`copy_`): that copy keeps nothing for the backward (its
+    backward passes the gradient on), so it is followed to what it copied from and into."""
+    pending = [grad_fn]
+    while pending:
+        fn = pending.pop()
+        if fn is None or type(fn).__name__ in ("CompiledFunctionBackward", "AccumulateGrad"):
+            continue
+        if type(fn).__name__ != "CopyBackwards":
+            return fn
+        pending += [next_fn for next_fn, _ in fn.next_functions]
+    return None
 
 
 # Why Dynamo runs a model's own function eagerly, and what to do about it.
@@ -872,7 +896,11 @@ class GraphBreaks:
         from torch._dynamo.exc import BackendCompilerFailed
 
         try:
-            out = self.compiled(*args, **kwargs)
+            # Dynamo traces NumPy code into torch ops, and by default draws NumPy's random numbers
+            # from torch's generator: a step then draws other values than eager does (wav2vec 2.0's
+            # SpecAugment masks), and moves torch's generator, dropout's masks with it.
+            with torch._dynamo.config.patch(use_numpy_random_stream=True):
+                out = self.compiled(*args, **kwargs)
         except BackendCompilerFailed as e:
             cause = e.inner_exception
             if isinstance(cause, CaptureError):

@@ -6,8 +6,10 @@ import contextlib
 import copy
 import gc
 import operator
+import random
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -474,6 +476,90 @@ def test_an_lstm_on_its_models_input_plans_and_matches_eager(monkeypatch: pytest
         monkeypatch.setattr(sys.modules["rkgraph.capture"], "differentiable_lstm", contextlib.nullcontext)
         with pytest.raises(CaptureError, match=r"rnn: an LSTM on a CPU .*mkldnn.flags\(enabled=False\)"):
             Rockmate(copy.deepcopy(model), x, 1.0)
+
+
+class _MaskedEmbedding(nn.Module):
+    """SpecAugment's write as wav2vec 2.0 makes it: a learned vector written at the masked time
+    steps, here into a view of the activation (the write must reach the tensor it views)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.masked_embed = nn.Parameter(torch.randn(1, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        steps = h.view(2, 3, 8)
+        steps[torch.rand(2, 3) < 0.5] = self.masked_embed
+        return self.b(h).square().mean()
+
+
+def test_a_boolean_mask_write_of_one_value_is_one_graph_matching_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`x[mask] = v` with `v` the same at every masked position is traced as `torch.where`: one
+    graph with no value-dependent shape, eager's losses and gradients at every step (the mask
+    drawn again in each), up to the order `v`'s gradient is summed in. Traced as written, its
+    backward gathers at the mask's positions (nonzero) and the step cannot be planned."""
+    torch.manual_seed(0)
+    model, x = _MaskedEmbedding(), torch.randn(6, 8)
+    eager = copy.deepcopy(model)
+    planned = Rockmate(model, x, 1.0, profile="estimate")
+    assert planned.graph_plans == []  # one graph
+    ops = {node.target for node in planned.plan.joint.module.graph.nodes}
+    assert torch.ops.aten.where.self in ops
+    assert not ops & {torch.ops.aten.nonzero.default, torch.ops.aten.index_put.default}
+    for seed in (1, 2):
+        for module in (model, eager):
+            module.zero_grad(set_to_none=True)
+            torch.manual_seed(seed)
+            module(x).backward() if module is eager else planned(x).backward()
+        for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+    monkeypatch.setattr(sys.modules["rkgraph.capture"], "mask_writes_as_where", contextlib.nullcontext)
+    monkeypatch.setattr(sys.modules["rockplan.backend"], "mask_writes_as_where", contextlib.nullcontext)
+    with pytest.raises(CaptureError, match="shape depends on the values of its input"):
+        Rockmate(copy.deepcopy(eager), x, 1.0, profile="estimate")(x)
+
+
+class _HostAugmented(nn.Module):
+    """A forward that draws from NumPy's or Python's global random numbers."""
+
+    def __init__(self, source: str) -> None:
+        super().__init__()
+        self.a, self.source = nn.Linear(8, 8), source
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.source == "numpy":
+            h = h * torch.from_numpy(np.random.rand(x.shape[0]) < 0.5).to(h.dtype)[:, None]
+        else:
+            h = h * random.uniform(0.5, 1.5)
+        return h.square().mean()
+
+
+@pytest.mark.parametrize("source", ["numpy", "python"])
+def test_random_numbers_drawn_outside_torch_are_drawn_again_each_step(source: str) -> None:
+    """One graph traced once would hold a NumPy or Python draw as a constant, the same in every
+    step. Such a forward is run by Dynamo, which draws again in each step from the same
+    generator eager draws from (NumPy's own, not torch's as its default would): the losses of
+    eager at every seed. Planning moves neither generator."""
+    torch.manual_seed(0)
+    model, x = _HostAugmented(source), torch.randn(4, 8)
+    eager = copy.deepcopy(model)
+    np.random.seed(0)
+    random.seed(0)
+    planned = Rockmate(model, x, 1.0, profile="estimate")
+    assert np.random.rand() == np.random.RandomState(0).rand() and random.random() == random.Random(0).random()
+    assert planned._graph_breaks is not None
+    assert ("NumPy's global generator" if source == "numpy" else "Python's random module") in str(
+        planned._graph_breaks.why)
+    losses = []
+    for seed in (1, 2, 3):
+        for module in (planned, eager):
+            np.random.seed(seed)
+            random.seed(seed)
+            losses.append(module(x).item())
+    assert losses[0::2] == losses[1::2]
+    assert len(set(losses[0::2])) == 3
 
 
 def test_planning_leaves_the_parameters_of_a_module_reached_by_two_paths() -> None:

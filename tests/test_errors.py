@@ -274,14 +274,15 @@ def test_tensors_added_to_a_module_container_are_refused_naming_it() -> None:
 
 
 def test_a_value_dependent_shape_in_a_graph_is_refused_naming_the_line() -> None:
-    """Writing a tensor into a boolean mask's positions is one graph to Dynamo, but its backward
-    gathers by the mask (nonzero): no plan can size that before the step. The refusal says so
-    and names the user's line, not a missing fake implementation at an unknown location."""
+    """Writing one value per position into a boolean mask's positions is one graph to Dynamo,
+    but its backward gathers by the mask (nonzero): no plan can size that before the step. The
+    refusal says so and names the user's line, not a missing fake implementation at an unknown
+    location. (One value for every position is traced as torch.where and plans: test_capture.)"""
 
     class Masked(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.a, self.fill = nn.Linear(8, 8), nn.Parameter(torch.zeros(8))
+            self.a, self.fill = nn.Linear(8, 8), nn.Parameter(torch.zeros(2, 8))  # a row per True
 
         def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             h = self.a(x)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from rkgraph.capture import CaptureError
 from rockplan import Rockmate
 from rockplan.budget import parse_budget
 from rockplan.memory import measure_step
@@ -139,3 +140,47 @@ def test_cuda_bf16_autocast_step_matches_eager_within_the_budget(name: str) -> N
         # bf16 products may take other kernels in another order: compare gradients as wholes
         assert (p.grad - q.grad).norm() <= 5e-2 * q.grad.norm() + 1e-6, f"gradient of {label}"
     assert planned.peak <= rk.budget, f"measured {planned.peak} B over budget {rk.budget} B"
+
+
+def _wav2vec2(**config: object) -> torch.nn.Module:
+    t = transformers
+    return t.Wav2Vec2ForCTC(t.Wav2Vec2Config(
+        vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        conv_dim=(16, 16), conv_stride=(5, 4), conv_kernel=(10, 4), num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4, **config))
+
+
+def test_wav2vec2_with_spec_augment_matches_eager_within_the_budget() -> None:
+    """wav2vec 2.0 fine-tuned for speech recognition as its users train it: SpecAugment on (its
+    config's default), which draws the masked time steps with NumPy and writes a learned vector
+    there (`hidden_states[mask] = masked_spec_embed`). The draw is Dynamo's to make in each step
+    (a graph break) and the write is traced as torch.where, so the step is planned per graph:
+    eager's loss and gradients at two seeds, the measured peak within the budget. LayerDrop (on
+    by default) is refused, saying to set it to 0."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = _wav2vec2(layerdrop=0.0)
+    assert model.config.mask_time_prob > 0
+    model.train()
+    eager = copy.deepcopy(model)
+    batch = {"input_values": torch.randn(BATCH, 4000), "labels": torch.randint(1, 32, (BATCH, 6))}
+    rk = Rockmate(model, ((), batch), 0.7, profile="estimate")
+
+    def step(module: torch.nn.Module, batch: dict[str, torch.Tensor], seed: int) -> object:
+        np.random.seed(seed)
+        return _step(module, batch, seed)
+
+    for _ in range(2):  # the first step plans each graph, the second splits the budget between them
+        step(rk, batch, 0)
+    for seed in (1, 2):
+        for module in (model, eager):
+            module.zero_grad(set_to_none=True)
+        planned = measure_step(step, rk, batch, seed)
+        expected = step(eager, batch, seed)
+        torch.testing.assert_close(planned.result.loss, expected.loss, rtol=1e-6, atol=0)
+        for (label, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=f"gradient of {label}")
+        assert planned.peak <= rk._graph_breaks.backend.budget
+    with pytest.raises(CaptureError, match=r"LayerDrop.*set its probability to 0"):
+        Rockmate(_wav2vec2(), ((), batch), 0.7, profile="estimate")(**batch)
