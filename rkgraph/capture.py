@@ -713,6 +713,7 @@ def trace(
         _native_kernels() if native_kernels else contextlib.nullcontext(),
         differentiable_lstm(),
         mask_writes_as_where(),
+        tensor_checks_as_assertions(),
         _side_effects_kept(),
         hooks_as_calls(model, flat.hooks),  # before the annotations' own hooks are added
         _module_path_annotations(model),
@@ -1032,6 +1033,34 @@ def mask_writes_as_where() -> Iterator[None]:
         for op in added:
             del op.py_kernels[torch._C.DispatchKey.Autograd]
             op._dispatch_cache.clear()
+
+
+@contextlib.contextmanager
+def tensor_checks_as_assertions() -> Iterator[None]:
+    """While tracing, `torch._check_tensor_all(cond)` (and `_check_tensor_all_with`) is an
+    assertion in the graph, `torch._assert_async`, checked at each step where it runs.
+
+    As written it reads whether `cond` holds in Python (`.item()`), which a trace on fake tensors
+    cannot: the model would not be one graph. Libraries call it to check values in a way
+    compilers can keep (transformers' `torch_compilable_check` calls it while compiling: a
+    multimodal model checking that its image tokens match its image features). An assertion
+    that fails raises RuntimeError, not the check's own type or message (`message` may format
+    the tensor's values, which the trace does not have); a cond that is not a boolean tensor
+    is refused as the check itself refuses it."""
+    checks = torch._check_tensor_all_with
+
+    def asserted(error_type: type[Exception], cond: Any, message: Any = None) -> None:
+        if not (isinstance(cond, torch.Tensor) and cond.dtype == torch.bool):
+            checks(error_type, cond, message)  # its TypeError
+            return
+        torch._assert_async(cond.all(), f"a check of the model failed in the planned step ({error_type.__name__}: "
+                                        "torch._check_tensor_all, traced as an assertion)")
+
+    torch._check_tensor_all_with = asserted
+    try:
+        yield
+    finally:
+        torch._check_tensor_all_with = checks
 
 
 @contextlib.contextmanager

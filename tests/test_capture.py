@@ -590,3 +590,30 @@ def test_planning_leaves_the_parameters_of_a_module_reached_by_two_paths() -> No
     eager(x).backward()
     for p, q in zip(eager.parameters(), model.parameters()):
         torch.testing.assert_close(q.grad, p.grad)
+
+
+class _Checked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._check_tensor_all(x.abs() < 100, lambda: "inputs out of range")
+        return self.a(x).square().mean()
+
+
+def test_a_check_on_tensor_values_is_an_assertion_in_the_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`torch._check_tensor_all` (transformers' `torch_compilable_check` while compiling) reads
+    its condition in Python, which a trace cannot: it is traced as an assertion, so the model
+    stays one graph, and the planned step raises where the condition fails. Traced as written,
+    the model is not one graph."""
+    x = torch.randn(4, 8)
+    planned = Rockmate(_Checked(), x, 1.0, profile="estimate")
+    assert planned.graph_plans == []
+    ops = {node.target for node in planned.plan.joint.module.graph.nodes}
+    assert ops & {torch.ops.aten._assert_async.msg, torch.ops.aten._functional_assert_async.msg}
+    planned(x).backward()
+    with pytest.raises(RuntimeError, match="a check of the model failed"):
+        planned(1000 * x)
+    monkeypatch.setattr(sys.modules["rkgraph.capture"], "tensor_checks_as_assertions", contextlib.nullcontext)
+    assert Rockmate(_Checked(), x, 1.0, profile="estimate")._graph_breaks is not None

@@ -184,3 +184,30 @@ def test_wav2vec2_with_spec_augment_matches_eager_within_the_budget() -> None:
         assert planned.peak <= rk._graph_breaks.backend.budget
     with pytest.raises(CaptureError, match=r"LayerDrop.*set its probability to 0"):
         Rockmate(_wav2vec2(), ((), batch), 0.7, profile="estimate")(**batch)
+
+
+def test_llava_is_one_graph_matching_eager_within_the_budget() -> None:
+    """A vision-language model fine-tuned as its users train it: image features scattered into
+    the text's image-token positions (`masked_scatter`) after transformers checks that the two
+    counts agree (`torch_compilable_check`, a check on tensor values, traced as an assertion).
+    One graph, eager's loss and gradients, the measured peak within the budget."""
+    t = transformers
+    vision = t.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                image_size=32, patch_size=8)
+    config = t.LlavaConfig(vision_config=vision, text_config=t.LlamaConfig(**DECODER), image_token_index=VOCAB - 1,
+                           vision_feature_layer=-1)
+    torch.manual_seed(0)
+    model = t.LlavaForConditionalGeneration(config)
+    eager = copy.deepcopy(model)
+    ids = torch.randint(0, VOCAB - 1, (BATCH, SEQ + 8))
+    ids[:, 2:18] = VOCAB - 1  # an image's 16 patches
+    batch = {"input_ids": ids, "pixel_values": torch.randn(BATCH, 3, 32, 32),
+             "attention_mask": torch.ones_like(ids), "labels": ids}
+    rk = Rockmate(model, ((), batch), 0.6, profile="estimate")
+    assert rk.graph_plans == []
+    planned = measure_step(_step, rk, batch)
+    expected = _step(eager, batch)
+    torch.testing.assert_close(planned.result.loss, expected.loss, rtol=1e-6, atol=0)
+    for (label, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=f"gradient of {label}")
+    assert planned.peak <= rk.budget
