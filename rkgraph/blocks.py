@@ -38,8 +38,12 @@ def cut_points(graph: RematGraph) -> list[int]:
 
 def cut_pieces(graph: RematGraph) -> list[list[str]]:
     """The forward node names in graph order, cut after every one of `cut_points`: the finest
-    chain of blocks (graphs without blocks are grouped from these)."""
+    chain of blocks (graphs without blocks are grouped from these). A graph whose forward has
+    no nodes (a graph Dynamo captured of views only, its backward joining their gradients) is
+    one empty block, which its backward nodes belong to."""
     forward = [n.name for n in graph.forward_nodes]
+    if not forward:
+        return [[]]
     pieces, start = [], 0
     for cut in cut_points(graph):
         pieces.append(forward[start : cut + 1])

@@ -87,9 +87,9 @@ def _untraced(h: torch.Tensor) -> torch.Tensor:
     return torch.sin(h) * 3
 
 
-def _step(model: Callable, x: torch.Tensor) -> torch.Tensor:
+def _step(model: Callable, *inputs: torch.Tensor) -> torch.Tensor:
     torch.manual_seed(1)  # the same dropout masks as eager's, if the graphs draw as eager does
-    loss = model(x)
+    loss = model(*inputs)
     loss.backward()
     return loss
 
@@ -324,6 +324,34 @@ def test_rockmate_falls_back_to_dynamo_on_a_graph_break() -> None:
     rk.eval()
     with torch.no_grad():
         torch.testing.assert_close(rk(x), eager.eval()(x))
+
+
+class _SplitBySizes(nn.Module):
+    """Split by sizes read from a tensor (`.tolist()`, a break: Qwen2-VL's vision attention
+    splits its images so), then a second break: the graph between them is the split alone,
+    views of its input, with no forward node; its backward joins their gradients (`cat`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+        p, q = torch.split(self.a(x), sizes.tolist(), dim=1)
+        torch._dynamo.graph_break()
+        return (self.b(p) * q).square().mean()
+
+
+def test_a_graph_of_views_alone_is_planned() -> None:
+    torch.manual_seed(0)
+    model, x, sizes = _SplitBySizes(), torch.randn(4, 8), torch.tensor([4, 4])
+    eager = copy.deepcopy(model)
+    rk = Rockmate(model, (x, sizes), 1.0, profile="estimate")
+    for _ in range(3):  # planned, split jointly, then run
+        for module in (model, eager):
+            module.zero_grad(set_to_none=True)
+        torch.testing.assert_close(_step(rk, x, sizes), _step(eager, x, sizes), rtol=0, atol=0)
+        _assert_same_step(model, eager)
+    assert [len(g.plan.graph.forward_nodes) for g in rk.graph_plans] == [1, 0, 4]
 
 
 def test_graphs_are_planned_from_the_plan_cache_when_run_again(tmp_path: Path, rockmate_calls: list) -> None:
