@@ -312,8 +312,11 @@ def fsdp_buffer_bytes(rk: nn.Module) -> int:
     through the step (its hooks), the blocks its plans hold gathered at once
     (`ShardedBlocks.most_gathered`), and the flat buffers of a group's all-gather (while it is
     copied out) or reduce-scatter (a copy of its gradients, and their shard), (1 + 1/world
-    size) times the largest group's bytes. The gradients of the whole parameters are in the
-    plan, so in the budget."""
+    size) times the largest group's bytes. Over gloo, one more of the largest group's bytes:
+    gloo runs a collective on its own thread and holds its tensors until it is done, so the
+    reduce-scatter input of the group before may still be alive when the next group's is
+    made (FSDP2 drops its own reference first; over NCCL that frees it). The gradients of the
+    whole parameters are in the plan, so in the budget."""
     import torch.distributed as dist
 
     sharded: ShardedBlocks | None = getattr(rk, "_sharded", None)
@@ -322,7 +325,8 @@ def fsdp_buffer_bytes(rk: nn.Module) -> int:
     groups = [sum(map(_whole_bytes, _group(group))) for group in sharded.groups]
     root = sum(map(_whole_bytes, _group([sharded.model]))) if sharded.model in sharded.units else 0
     largest = max(groups, default=0)
-    return root + sharded.most_gathered + largest + largest // dist.get_world_size()
+    in_flight = largest if dist.get_backend() == "gloo" else 0
+    return root + sharded.most_gathered + largest + largest // dist.get_world_size() + in_flight
 
 
 @dataclasses.dataclass(frozen=True)
