@@ -695,7 +695,7 @@ def _check_inputs_come_from_graphs(gm: fx.GraphModule, example_inputs: list[Any]
     """Refuse a graph fed by autograd ops that ran outside any graph: what they keep for the
     backward is in no plan, so the budget could not be kept."""
     for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
-        grad_fn = _made_outside_graphs(value.grad_fn if isinstance(value, torch.Tensor) else None)
+        grad_fn = _made_outside_graphs(value) if isinstance(value, torch.Tensor) else None
         if grad_fn is None:
             continue
         op = type(grad_fn).__name__.removesuffix("Backward0").removesuffix("Backward1").removesuffix("Backward")
@@ -708,21 +708,37 @@ def _check_inputs_come_from_graphs(gm: fx.GraphModule, example_inputs: list[Any]
             "model's own code, Dynamo ran a whole function eagerly: " + _LOOP_BREAK)
 
 
-def _made_outside_graphs(grad_fn: Any) -> Any:
-    """The autograd node run outside any graph that made a graph's input, or None where graphs
-    (or nothing) made it. A graph that writes into its input in place (`x[mask] = v` on an
-    activation, where a break ends the graph) returns the new value, and AOTAutograd copies it
-    into the input after the graph (`copy_`): that copy keeps nothing for the backward (its
-    backward passes the gradient on), so it is followed to what it copied from and into."""
-    pending = [grad_fn]
+_MADE_BY_GRAPHS = ("CompiledFunctionBackward", "AccumulateGrad")  # a graph's autograd node; a leaf's
+
+
+def _made_outside_graphs(value: torch.Tensor) -> Any:
+    """The autograd node run outside any graph that made `value`, a graph's input, or None where
+    graphs made it, or ops that keep nothing for the backward and allocate nothing:
+
+    - a copy into a graph's input: a graph that writes into its input in place (`x[mask] = v`
+      on an activation, where a break ends the graph) returns the new value, and AOTAutograd
+      copies it into the input after the graph (`copy_`);
+    - views of a graph's output (or of a leaf): Qwen2-VL splits its vision attention by image
+      sizes read with `.tolist()`, a break, so the split runs in Python between graphs. A view
+      holds its base's memory, which the graph that made it counts, and its backward keeps
+      no tensors (only sizes), as every node on the way must."""
+    base = value._base if value._is_view() else None
+    borrowed = base is not None and (base.grad_fn is None or type(base.grad_fn).__name__ in _MADE_BY_GRAPHS)
+    pending = [value.grad_fn]
     while pending:
         fn = pending.pop()
-        if fn is None or type(fn).__name__ in ("CompiledFunctionBackward", "AccumulateGrad"):
+        if fn is None or type(fn).__name__ in _MADE_BY_GRAPHS:
             continue
-        if type(fn).__name__ != "CopyBackwards":
+        if not (type(fn).__name__ == "CopyBackwards" or borrowed and not _keeps_tensors(fn)):
             return fn
         pending += [next_fn for next_fn, _ in fn.next_functions]
     return None
+
+
+def _keeps_tensors(grad_fn: Any) -> bool:
+    """Whether an autograd node saved tensors for its backward (its `_saved_*` attributes)."""
+    saved = (getattr(grad_fn, name) for name in dir(grad_fn) if name.startswith("_saved_"))
+    return any(isinstance(x, torch.Tensor) for v in saved for x in (v if isinstance(v, (tuple, list)) else [v]))
 
 
 # Why Dynamo runs a model's own function eagerly, and what to do about it.

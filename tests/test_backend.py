@@ -354,6 +354,34 @@ def test_a_graph_of_views_alone_is_planned() -> None:
     assert [len(g.plan.graph.forward_nodes) for g in rk.graph_plans] == [1, 0, 4]
 
 
+class _SplitInPython(nn.Module):
+    """Qwen2-VL's vision attention: queries and keys split per image by sizes read with
+    `.tolist()` inside a comprehension, so Dynamo runs the splits in Python, between graphs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+        splits = [torch.split(t, sizes.tolist(), dim=0) for t in (self.a(x), self.b(x))]
+        return sum((q @ k.T).softmax(-1).square().mean() for q, k in zip(*splits, strict=True))
+
+
+def test_views_made_between_graphs_are_planned() -> None:
+    """A view of a graph's output made in Python holds the graph's memory and keeps nothing for
+    its backward: the graph it feeds is planned (it was refused as an op run outside any graph)."""
+    torch.manual_seed(0)
+    model, x, sizes = _SplitInPython(), torch.randn(6, 8), torch.tensor([2, 4])
+    eager = copy.deepcopy(model)
+    rk = Rockmate(model, (x, sizes), 1.0, profile="estimate")
+    for _ in range(3):
+        for module in (model, eager):
+            module.zero_grad(set_to_none=True)
+        torch.testing.assert_close(_step(rk, x, sizes), _step(eager, x, sizes), rtol=0, atol=0)
+        _assert_same_step(model, eager)
+    assert len(rk.graph_plans) == 2
+
+
 def test_graphs_are_planned_from_the_plan_cache_when_run_again(tmp_path: Path, rockmate_calls: list) -> None:
     """A script run again (a fresh Dynamo, a new Rockmate) with the plan cache of the first
     run: every graph's plans, the first step's and the joint split's, are read back (the
