@@ -958,16 +958,15 @@ def differentiable_lstm() -> contextlib.AbstractContextManager[None]:
 
 
 def _mask_write(target: Any, index: Any, value: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """For `target[index] = value` where `index` is one boolean mask over `target`'s leading
-    dimensions and `value` is the same for every position it selects: the mask shaped to
-    broadcast over `target` and the value shaped to broadcast over the rest, which `torch.where`
-    writes with no value-dependent shape. None for any other write, left as it is.
+    """For `target[index] = value` (`index_put_` with one index) where `index` is a boolean mask
+    over `target`'s leading dimensions and `value` is the same for every position it selects:
+    the mask shaped to broadcast over `target` and the value shaped to broadcast over the rest,
+    which `torch.where` writes with no value-dependent shape. None for any other write (an index
+    per dimension, `x[:, mask]`'s included), left as it is.
 
     `index_put_` broadcasts the value to (positions selected, *rest) after dropping its leading
     dimensions of size one; a value that keeps a leading dimension then has one entry per
     selected position, a shape only the mask's values give."""
-    if isinstance(index, tuple) and len(index) == 1:
-        index = index[0]
     if not (isinstance(target, torch.Tensor) and isinstance(value, torch.Tensor)
             and isinstance(index, torch.Tensor) and index.dtype == torch.bool):
         return None
@@ -1045,8 +1044,9 @@ def tensor_checks_as_assertions() -> Iterator[None]:
     compilers can keep (transformers' `torch_compilable_check` calls it while compiling: a
     multimodal model checking that its image tokens match its image features). An assertion
     that fails raises RuntimeError, not the check's own type or message (`message` may format
-    the tensor's values, which the trace does not have); a cond that is not a boolean tensor
-    is refused as the check itself refuses it."""
+    the tensor's values, which the trace does not have); on a GPU it is a device-side assertion,
+    which ends the process's CUDA context, as torch.export's runtime assertions do. A cond that
+    is not a boolean tensor is refused as the check itself refuses it."""
     checks = torch._check_tensor_all_with
 
     def asserted(error_type: type[Exception], cond: Any, message: Any = None) -> None:
