@@ -40,7 +40,10 @@ Three ways of counting, chosen by ``method``:
   on), inside ``torch.autograd.Function`` and fx GraphModules. It does not see buffers a kernel
   allocates and frees internally, nor code that allocates without going through the
   dispatcher (Inductor's generated code), so it is a lower bound there. The counted bytes are
-  exact ``nbytes`` with no allocator rounding.
+  exact ``nbytes`` with no allocator rounding. Under its dispatch mode ``torch.compile`` runs
+  the model eagerly: a compiled model, or a ``Rockmate`` whose model has graph breaks (run by
+  Dynamo), is measured as eager runs it, not as planned; measure those with the allocator or
+  the profiler.
 """
 
 from __future__ import annotations
