@@ -24,7 +24,7 @@ import random
 import sys
 import traceback
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -710,9 +710,7 @@ def trace(
         _host_draws_watched() as host_draws,
         _collections_spared(),
         preserved_rng(),  # ops with no tensor inputs run for real in the fake forward, draws included
-        _native_kernels() if native_kernels else contextlib.nullcontext(),
-        differentiable_lstm(),
-        mask_writes_as_where(),
+        traced_kernels(native_kernels),
         tensor_checks_as_assertions(),
         _side_effects_kept(),
         hooks_as_calls(model, flat.hooks),  # before the annotations' own hooks are added
@@ -905,28 +903,39 @@ _KEEP_NATIVE = tuple(
 _DECOMPOSING_KEYS = (torch._C.DispatchKey.Autograd, torch._C.DispatchKey.CompositeImplicitAutograd)
 
 
+_Kernels = Mapping[tuple[torch._ops.OpOverload, torch._C.DispatchKey], Callable | None]
+
+
 @contextlib.contextmanager
-def _python_kernels_replaced(ops: Iterable[torch._ops.OpOverload],
-                             replacement: Callable[[Callable], Callable | None]):
-    """While the block runs, each Python kernel torch._decomp registers for `ops` at the Autograd
-    and CompositeImplicitAutograd keys is `replacement(kernel)`, or is removed where that is None
-    (the op's C++ kernel then runs); restored on exit, also on an error. The same
-    save/override/restore of `py_kernels` as torch.export's `_override_composite_implicit_decomp`."""
-    saved = {op: {k: op.py_kernels[k] for k in _DECOMPOSING_KEYS if k in op.py_kernels} for op in ops}
-    for op, kernels in saved.items():
-        for key, kernel in kernels.items():
-            replaced = replacement(kernel)
-            if replaced is None:
-                del op.py_kernels[key]
+def _python_kernels_set(kernels: _Kernels) -> Iterator[None]:
+    """While the block runs, the Python kernel of each (op, dispatch key) in `kernels` is the one
+    given there, or none where that is None (the op's C++ kernel then runs); restored on exit,
+    also on an error. The same save/override/restore of `py_kernels` as torch.export's
+    `_override_composite_implicit_decomp`."""
+
+    def put(table: _Kernels) -> None:
+        for (op, key), kernel in table.items():
+            if kernel is None:
+                op.py_kernels.pop(key, None)
             else:
-                op.py_kernels[key] = replaced
-        op._dispatch_cache.clear()  # the Python dispatcher caches the kernel resolved per key
+                op.py_kernels[key] = kernel
+            op._dispatch_cache.clear()  # the Python dispatcher caches the kernel resolved per key
+
+    saved = {(op, key): op.py_kernels.get(key) for op, key in kernels}
+    put(kernels)
     try:
         yield
     finally:
-        for op, kernels in saved.items():
-            op.py_kernels.update(kernels)
-            op._dispatch_cache.clear()
+        put(saved)
+
+
+def _python_kernels_replaced(ops: Iterable[torch._ops.OpOverload], replacement: Callable[[Callable], Callable | None]
+                             ) -> contextlib.AbstractContextManager[None]:
+    """While the block runs, each Python kernel torch._decomp registers for `ops` at the Autograd
+    and CompositeImplicitAutograd keys is `replacement(kernel)`, or is removed where that is None
+    (the op's C++ kernel then runs); restored on exit, also on an error."""
+    return _python_kernels_set({(op, key): replacement(op.py_kernels[key])
+                                for op in ops for key in _DECOMPOSING_KEYS if key in op.py_kernels})
 
 
 def _native_kernels() -> contextlib.AbstractContextManager[None]:
@@ -1007,8 +1016,7 @@ def _index_put_as_where(op: torch._ops.OpOverload, in_place: bool) -> Callable:
 _INDEX_PUTS = {torch.ops.aten.index_put_.default: True, torch.ops.aten.index_put.default: False}
 
 
-@contextlib.contextmanager
-def mask_writes_as_where() -> Iterator[None]:
+def mask_writes_as_where() -> contextlib.AbstractContextManager[None]:
     """While tracing, `x[mask] = v` with one boolean mask over `x`'s leading dimensions and a
     `v` the same at every position it selects (`_mask_write`; SpecAugment's learned mask
     embedding in wav2vec 2.0 and HuBERT) is written as `x.copy_(torch.where(mask, v, x))`.
@@ -1022,16 +1030,20 @@ def mask_writes_as_where() -> Iterator[None]:
     A Python kernel of `index_put_` at the Autograd key, which AOTAutograd's trace takes in place
     of the ATen kernel (as torch._decomp's for dropout): only the writes pass through it, and
     the rest of the model's calls run as they do without it."""
-    added = [op for op in _INDEX_PUTS if torch._C.DispatchKey.Autograd not in op.py_kernels]
-    for op in added:
-        op.py_kernels[torch._C.DispatchKey.Autograd] = _index_put_as_where(op, _INDEX_PUTS[op])
-        op._dispatch_cache.clear()  # the Python dispatcher caches the kernel resolved per key
-    try:
+    autograd = torch._C.DispatchKey.Autograd
+    return _python_kernels_set({(op, autograd): _index_put_as_where(op, in_place)
+                                for op, in_place in _INDEX_PUTS.items() if autograd not in op.py_kernels})
+
+
+@contextlib.contextmanager
+def traced_kernels(native_kernels: bool = True) -> Iterator[None]:
+    """The kernels a training step's trace takes in place of what it would record as written, for
+    `trace` and for the graphs Dynamo captures alike: the ATen kernels of `_KEEP_NATIVE` (unless
+    `native_kernels` is False, as Inductor wants), the differentiable LSTM, and one value written
+    at a boolean mask's positions as `torch.where`."""
+    with _native_kernels() if native_kernels else contextlib.nullcontext(), differentiable_lstm(), \
+            mask_writes_as_where():
         yield
-    finally:
-        for op in added:
-            del op.py_kernels[torch._C.DispatchKey.Autograd]
-            op._dispatch_cache.clear()
 
 
 @contextlib.contextmanager

@@ -105,14 +105,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.fx.experimental.symbolic_shapes import free_symbols
 
-from rkgraph.capture import (
-    CaptureError,
-    JointGraph,
-    _native_kernels,
-    differentiable_lstm,
-    is_tangent,
-    mask_writes_as_where,
-)
+from rkgraph.capture import CaptureError, JointGraph, is_tangent, traced_kernels
 from rkgraph.graph import RematGraph
 from rkgraph.rewrites import apply_rewrites
 from rkgraph.units import format_bytes
@@ -297,7 +290,7 @@ class Backend:
             backward._boxed_call = True  # type: ignore[attr-defined]
             return backward
 
-        with _native_kernels(), differentiable_lstm(), mask_writes_as_where():
+        with traced_kernels():
             return aot_autograd(fw_compiler=compile_generated, bw_compiler=compile_backward,
                                 partition_fn=partition)(gm, inputs)
 
