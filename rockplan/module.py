@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import logging
 import time
 import warnings
@@ -130,7 +131,10 @@ def _split_sample(sample: Any) -> tuple[tuple, dict]:
 class Rockmate(nn.Module):
     """Wrap `model` so that a training step fits in `budget`, with the same outputs and gradients.
 
-    `sample` is a tensor, a tuple of positional arguments, or `(args, kwargs)`. `budget` is
+    `sample` is a tensor, a tuple of positional arguments, or `(args, kwargs)`; None (the
+    default): the first training step's input, planned inside that step (as a trainer calls
+    the model, with what it adds to the batch, such as Hugging Face's `num_items_in_batch`;
+    errors in capture and planning then show at that step). `budget` is
     bytes, a size string ("1.5GiB") or a ratio of the step memory without rematerialization.
     `plan_file` is a plan written by `export`: it is checked against the captured graph and
     used instead of solving (still replayed by the simulator against the budget).
@@ -154,7 +158,8 @@ class Rockmate(nn.Module):
     there, unless storing everything fits: give the largest input as the sample, and smaller
     ones are captured but not solved (they recompute what a plan of their own might keep). The
     `max_plans` most recently used plans are held; older ones are dropped and made again if
-    their input comes back.
+    their input comes back (warned the first time: the inputs take more shapes than plans are
+    held, and steps keep planning).
     `plan_cache`: where plans are kept between runs (`rockplan.plan_cache`): a script run again
     with the same model, shapes, budget and options traces its step but reads its plan instead
     of profiling and solving it again. A directory; None (the default) for what the
@@ -165,12 +170,39 @@ class Rockmate(nn.Module):
     while planning; a hook that returns a value is traced into the step (`rkgraph.hooks`).
     Pickling (`torch.save(rk)`, `copy.deepcopy`) keeps the model and how to plan, not the plans
     (their steps are compiled closures): they are made again at the first training step.
+
+    A Rockmate stands in for its model where code reads the model rather than calls it, as
+    `torch.compile`'s module does: attributes it lacks are the model's (`rk.config`), its
+    `state_dict` is the model's (same keys), and its class, `Rockmate[ModelClass]`, has the
+    model's `forward` signature. Trainers read that signature to keep the dataset's columns
+    the model takes and to find its labels (Hugging Face's `Trainer` drops every column a
+    `forward(*args, **kwargs)` does not name), and read attributes such as the loss type to
+    count the tokens a loss averages over: answered by the wrapper, they would train on
+    nothing, or scale the loss otherwise than for the model itself.
     """
+
+    def __new__(cls, model: nn.Module | None = None, *args: Any, **kwargs: Any) -> Rockmate:
+        if cls is Rockmate and isinstance(model, nn.Module):
+            cls = _wrapper_class(type(model))
+        return super().__new__(cls)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)  # parameters, buffers, submodules (the model)
+        except AttributeError:
+            model = self.__dict__.get("_modules", {}).get("model")
+            if model is None or (name.startswith("__") and name.endswith("__")):
+                raise
+            return getattr(model, name)
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        # The class made for the model's class is not importable by name: pickled as that class.
+        return _unpickled, (getattr(type(self), "model_class", None),), self.__getstate__()
 
     def __init__(
         self,
         model: nn.Module,
-        sample: Any,
+        sample: Any = None,
         budget: int | float | str = 1.0,
         *,
         solver: str = DEFAULT_SOLVER,
@@ -209,9 +241,22 @@ class Rockmate(nn.Module):
         self._steps: OrderedDict[tuple, PlannedStep] = OrderedDict()  # least recently used first
         self._replanned = False  # warned once, logged after
         self._warned_torch_compile = False
-        args, kwargs = _split_sample(sample)
-        self._sample_signature = self._signature(args, kwargs)
+        self._dropped: set[tuple] = set()  # signatures whose plans max_plans dropped
+        self._warned_dropped = False
+        self._sample_signature: tuple | None = None  # set by the sample's plan
+        self._current: PlannedStep | None = None
         self._graph_breaks: GraphBreaks | None = None
+        if isinstance(sample, (int, float, str)):
+            raise TypeError(f"the sample is {sample!r}, not the model's input: Rockmate(model, sample, budget); "
+                            f"to plan for the first training step's input instead, pass the budget by name "
+                            f"(Rockmate(model, budget={sample!r}))")
+        if sample is not None:
+            self._plan_sample(*_split_sample(sample))
+
+    def _plan_sample(self, args: tuple, kwargs: dict) -> None:
+        """Plan for the sample: the input other inputs are told apart from (`on_new_input`), and
+        whose step a ratio budget is of."""
+        self._sample_signature = self._signature(args, kwargs)
         try:
             self._current = self._plan(args, kwargs)
         except CaptureError as e:  # not one graph: Dynamo splits it, each graph planned in the first step
@@ -219,7 +264,7 @@ class Rockmate(nn.Module):
                 raise
             if self._sharded is not None:
                 raise self._sharded.graph_break_error(e) from e
-            self._current, self._graph_breaks = None, GraphBreaks(model, budget, self.options, e, self._plan_cache)
+            self._graph_breaks = GraphBreaks(self.model, self.budget_spec, self.options, e, self._plan_cache)
 
     # --- what users read -------------------------------------------------------------------
     @property
@@ -229,6 +274,9 @@ class Rockmate(nn.Module):
             if self._graph_breaks is not None:
                 raise RuntimeError(f"{type(self.model).__name__} has graph breaks: it has one plan per graph, "
                                    "made in the first training step; see graph_plans")
+            if self._sample_signature is None:
+                raise RuntimeError("no plan yet: this Rockmate was given no sample; its first training step "
+                                   "plans for that step's input")
             raise RuntimeError("no plan yet: plans are not pickled, and this Rockmate was loaded or copied; "
                                "its first training step plans again")
         return self._current.plan
@@ -309,10 +357,26 @@ class Rockmate(nn.Module):
         if self.backend == "inductor":
             step = self._fit_compiled_step(step, args, kwargs)
         step.plan_time = time.perf_counter() - start
-        self._steps[self._signature(args, kwargs)] = step
+        signature = self._signature(args, kwargs)
+        self._steps[signature] = step
         while len(self._steps) > self.max_plans:
-            self._steps.popitem(last=False)
+            self._dropped.add(self._steps.popitem(last=False)[0])
+        if signature in self._dropped:
+            self._report_planned_again(step)
         return step
+
+    def _report_planned_again(self, step: PlannedStep) -> None:
+        """An input whose plan `max_plans` dropped came back: the inputs take more shapes than
+        plans are held, and planning now runs again and again. Warned once, as it costs every
+        such step seconds and nothing else shows it (later replans are logged at INFO)."""
+        if self._warned_dropped:
+            return
+        self._warned_dropped = True
+        warnings.warn(f"{type(self.model).__name__}: planned again ({step.plan_time:.1f} s) for an input whose plan "
+                      f"was dropped: the inputs take more than max_plans={self.max_plans} signatures, so their "
+                      "plans are made over and over. Pad inputs to fewer shapes (a collator's pad_to_multiple_of, "
+                      "or a fixed length), raise max_plans, or pass on_new_input='reuse' with the largest input as "
+                      "the sample", stacklevel=3)
 
     def _fit_compiled_step(self, step: PlannedStep, args: tuple, kwargs: dict) -> PlannedStep:
         """The plan as Inductor runs it, within the budget as measured. Inductor fuses and
@@ -412,6 +476,8 @@ class Rockmate(nn.Module):
         if under_torch_compile and not self._warned_torch_compile:
             self._warned_torch_compile = True
             warnings.warn(TORCH_COMPILE_WARNING, stacklevel=2)
+        if self._sample_signature is None:  # no sample given: this step's input is the sample
+            self._plan_sample(args, kwargs)
         tree = module_tree(self.model)  # one walk for the guards and the step's inputs
         signature = self._signature(args, kwargs, tree)
         step = self._steps.get(signature)
@@ -469,6 +535,27 @@ class Rockmate(nn.Module):
     def plot_memory(self, path: str | Path) -> Path:
         """Plot memory over one step against store-everything and the budget (needs matplotlib)."""
         return plot_memory(self.graph, self.schedule, path, self.budget, self.plan.graph_store_all)
+
+
+@functools.cache
+def _wrapper_class(model_class: type[nn.Module]) -> type[Rockmate]:
+    """The subclass of Rockmate whose instances wrap models of `model_class`: its `forward` has
+    the model class's signature (`Rockmate`'s docstring says why), its name says what it wraps."""
+
+    def forward(self: Rockmate, *args: Any, **kwargs: Any) -> Any:
+        return Rockmate.forward(self, *args, **kwargs)
+
+    with contextlib.suppress(TypeError, ValueError):  # a forward without a signature keeps Rockmate's
+        forward.__signature__ = inspect.signature(model_class.forward)
+    name = f"Rockmate[{model_class.__name__}]"
+    forward.__qualname__ = f"{name}.forward"
+    return type(name, (Rockmate,), {"forward": forward, "model_class": model_class, "__module__": __name__,
+                                    "__qualname__": name, "__doc__": Rockmate.__doc__})
+
+
+def _unpickled(model_class: type[nn.Module] | None) -> Rockmate:
+    """An empty Rockmate of the class made for `model_class`, for pickle to fill with its state."""
+    return nn.Module.__new__(Rockmate if model_class is None else _wrapper_class(model_class))
 
 
 def _describe_difference(planned: tuple, got: tuple) -> str:

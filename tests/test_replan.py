@@ -55,6 +55,50 @@ def test_plans_held_are_the_most_recently_used(recwarn: pytest.WarningsRecorder)
         _planned_mlp(max_plans=0)
 
 
+def test_plans_dropped_and_made_again_are_warned_once(recwarn: pytest.WarningsRecorder) -> None:
+    """Inputs of more shapes than plans held make steps plan over and over: said once."""
+    _, rk = _planned_mlp(max_plans=2)
+    for batch in (32, 16):  # the sample's plan dropped at 16: not warned (it may never come back)
+        rk(_mlp(batch))
+    assert not [w for w in recwarn if "dropped" in str(w.message)]
+    rk(_mlp(64))  # back: planned again
+    dropped = [str(w.message) for w in recwarn if "dropped" in str(w.message)]
+    assert len(dropped) == 1 and "more than max_plans=2 signatures" in dropped[0]
+    assert "pad_to_multiple_of" in dropped[0]
+    for batch in (32, 16, 64):
+        rk(_mlp(batch))
+    assert len([w for w in recwarn if "dropped" in str(w.message)]) == 1
+
+
+def test_without_a_sample_the_first_training_step_is_planned() -> None:
+    """No sample: the first training step's input is the sample (a trainer's batch, as it
+    calls the model); evaluation plans nothing; the step matches eager."""
+    torch.manual_seed(0)
+    model, (idx,), _, _ = zoo.make("gpt", "tiny")
+    eager = copy.deepcopy(model)
+    rk = Rockmate(model, budget=0.6, profile="estimate", on_new_input="error")
+    with pytest.raises(RuntimeError, match="no plan yet: this Rockmate was given no sample"):
+        _ = rk.plan
+    with torch.no_grad():
+        rk(idx)
+    assert not rk._steps  # no backward, nothing planned
+    for m in (rk, eager):
+        torch.manual_seed(1)
+        m(idx).sum().backward()
+    assert rk.plan.budget < rk.plan.reference.predicted_peak  # a ratio of this step's peak
+    assert rk.plan.schedule.predicted_peak <= rk.plan.budget
+    for p, q in zip(eager.parameters(), rk.parameters()):
+        torch.testing.assert_close(q.grad, p.grad)
+    with pytest.raises(ValueError, match="differs from the planned sample"):
+        rk(idx[:1])
+
+
+def test_a_number_given_as_the_sample_is_refused_saying_to_name_the_budget() -> None:
+    model, _, _, _ = zoo.make("mlp", "tiny")
+    with pytest.raises(TypeError, match=r"the sample is 0.5, not the model's input.*Rockmate\(model, budget=0.5\)"):
+        Rockmate(model, 0.5)
+
+
 @pytest.mark.parametrize("how", ["torch.save", "deepcopy"])
 def test_a_rockmate_pickles_and_plans_again_at_its_first_step(how: str) -> None:
     torch.manual_seed(0)
