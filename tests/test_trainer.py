@@ -105,3 +105,28 @@ def test_a_rockmate_reads_as_its_model() -> None:
     with pytest.raises(AttributeError, match="no_such_attribute"):
         _ = rk.no_such_attribute
     assert type(copy.deepcopy(rk)) is type(rk)
+
+
+def test_trainer_trains_a_lora_model_in_a_rockmate(tmp_path: object) -> None:
+    """LoRA as PEFT applies it (a Llama whose query and value projections take adapters, the
+    base frozen): the Rockmate wraps the PEFT model and trains as it does, within the budget."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.1,
+                           task_type="CAUSAL_LM")
+    model = peft.get_peft_model(transformers.LlamaForCausalLM(config), lora)
+    eager = copy.deepcopy(model)
+    rk = Rockmate(model, budget=0.6, profile="estimate", plan_cache=False)
+    assert type(rk).__name__ == "Rockmate[PeftModelForCausalLM]"
+    eager_losses, eager_eval, eager_peaks, _ = _train(eager, str(tmp_path / "eager"), bf16=False)
+    losses, evaluated, peaks, _ = _train(rk, str(tmp_path / "planned"), bf16=False)
+    torch.testing.assert_close(losses, eager_losses, rtol=1e-6, atol=0)
+    torch.testing.assert_close(evaluated, eager_eval, rtol=1e-6, atol=0)
+    for (name, p), q in zip(eager.named_parameters(), model.parameters()):
+        assert q.requires_grad == p.requires_grad == ("lora_" in name)
+        torch.testing.assert_close(q, p)
+    plan = rk.plan
+    assert plan.schedule.predicted_peak <= plan.budget < plan.reference.predicted_peak
+    assert max(peaks) <= plan.budget < min(eager_peaks)
