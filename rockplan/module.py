@@ -177,8 +177,9 @@ class Rockmate(nn.Module):
     model's `forward` signature. Trainers read that signature to keep the dataset's columns
     the model takes and to find its labels (Hugging Face's `Trainer` drops every column a
     `forward(*args, **kwargs)` does not name), and read attributes such as the loss type to
-    count the tokens a loss averages over: answered by the wrapper, they would train on
-    nothing, or scale the loss otherwise than for the model itself.
+    count the tokens a loss averages over, or its name (`_get_name`) to shift a
+    label-smoothed loss's labels: answered by the wrapper, they would train on nothing, or
+    compute the loss otherwise than for the model itself.
     """
 
     def __new__(cls, model: nn.Module | None = None, *args: Any, **kwargs: Any) -> Rockmate:
@@ -194,6 +195,18 @@ class Rockmate(nn.Module):
             if model is None or (name.startswith("__") and name.endswith("__")):
                 raise
             return getattr(model, name)
+
+    def _get_name(self) -> str:
+        # The name code dispatching on a model's kind reads (Hugging Face's Trainer shifts a
+        # label-smoothed loss's labels by it, looking through PEFT's wrapper to the base model):
+        # the model's, else such a loss would be computed otherwise than for the model.
+        model = self._modules["model"]
+        base = getattr(model, "get_base_model", None)  # PEFT's wrapper: the model it adapts
+        return (base() if callable(base) else model)._get_name()
+
+    def __repr__(self) -> str:  # (nn.Module's would head it with `_get_name`, the model's name)
+        first, *rest = repr(self._modules["model"]).split("\n")
+        return "\n".join([f"{type(self).__name__}(", f"  (model): {first}", *(f"  {line}" for line in rest), ")"])
 
     def __reduce_ex__(self, protocol: int) -> tuple:
         # The class made for the model's class is not importable by name: pickled as that class.

@@ -43,13 +43,13 @@ class _Texts(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids.clone(), "source": f"document {i}"}
 
 
-def _train(model: torch.nn.Module, out: str, bf16: bool) -> tuple[list[float], float, list[int], list[str]]:
+def _train(model: torch.nn.Module, out: str, **arguments: object) -> tuple[list[float], float, list[int], list[str]]:
     """Four steps and an evaluation: the logged losses, the evaluation loss, the measured peak
     of each training step after the first (the first plans, under the allocator's events
-    itself), and the warnings."""
+    itself), and the warnings. `arguments`: more of the `TrainingArguments`."""
     args = transformers.TrainingArguments(
-        output_dir=out, per_device_train_batch_size=4, max_steps=4, logging_steps=1, bf16=bf16, use_cpu=True,
-        seed=0, report_to=[], save_strategy="no", dataloader_num_workers=0, disable_tqdm=True)
+        output_dir=out, per_device_train_batch_size=4, max_steps=4, logging_steps=1, use_cpu=True, seed=0,
+        report_to=[], save_strategy="no", dataloader_num_workers=0, disable_tqdm=True, **arguments)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=_Texts(), eval_dataset=_Texts())
     training_step, peaks = trainer.training_step, []
 
@@ -69,26 +69,33 @@ def _train(model: torch.nn.Module, out: str, bf16: bool) -> tuple[list[float], f
     return losses, trainer.evaluate()["eval_loss"], peaks, [str(w.message) for w in caught]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_trainer_trains_a_rockmate_as_it_trains_the_model(precision: str, tmp_path: object) -> None:
-    """bf16: the trainer's autocast (accelerate's mixed precision) around the Rockmate's forward."""
+SETUPS = {"fp32": {}, "bf16": {"bf16": True}, "label smoothing": {"label_smoothing_factor": 0.1}}
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_trainer_trains_a_rockmate_as_it_trains_the_model(setup: str, tmp_path: object) -> None:
+    """bf16: the trainer's autocast (accelerate's mixed precision) around the Rockmate's forward.
+    Label smoothing: the trainer takes the labels out of the batch and computes the loss from
+    the logits, shifting the labels by the model's kind, which it reads off its name."""
     torch.manual_seed(0)
     model = _gpt2()
     eager = copy.deepcopy(model)
     rk = Rockmate(model, budget=0.6, profile="estimate", plan_cache=False)
-    eager_losses, eager_eval, eager_peaks, _ = _train(eager, str(tmp_path / "eager"), precision == "bf16")
-    losses, evaluated, peaks, warned = _train(rk, str(tmp_path / "planned"), precision == "bf16")
+    eager_losses, eager_eval, eager_peaks, _ = _train(eager, str(tmp_path / "eager"), **SETUPS[setup])
+    losses, evaluated, peaks, warned = _train(rk, str(tmp_path / "planned"), **SETUPS[setup])
     assert len(losses) == 4 and len(peaks) == 3
-    tolerance = {"rtol": 1e-6, "atol": 0} if precision == "fp32" else {"rtol": 1e-3, "atol": 0}
+    tolerance = {"rtol": 1e-3 if setup == "bf16" else 1e-6, "atol": 0}
     torch.testing.assert_close(losses, eager_losses, **tolerance)
     torch.testing.assert_close(evaluated, eager_eval, **tolerance)
-    if precision == "fp32":  # (in bf16, AdamW turns rounding-sized gradient differences into lr-sized steps)
+    if setup != "bf16":  # (in bf16, AdamW turns rounding-sized gradient differences into lr-sized steps)
         for p, q in zip(eager.parameters(), model.parameters()):
             torch.testing.assert_close(q, p)
     assert not [w for w in warned if "planned" in w]  # the first batch planned, and nothing after
     plan = rk.plan
     assert plan.schedule.predicted_peak <= plan.budget < plan.reference.predicted_peak
-    assert max(peaks) <= plan.budget < min(eager_peaks)  # the trainer's whole step, measured
+    assert max(peaks) < min(eager_peaks)  # the trainer's whole step, measured
+    if "label_smoothing_factor" not in SETUPS[setup]:  # (else the loss's log-softmax is outside the plan)
+        assert max(peaks) <= plan.budget
 
 
 def test_a_rockmate_reads_as_its_model() -> None:
@@ -101,15 +108,18 @@ def test_a_rockmate_reads_as_its_model() -> None:
     assert inspect.signature(type(rk).forward) == inspect.signature(type(model).forward)
     assert transformers.utils.find_labels(type(rk)) == ["labels"]
     assert rk.config is model.config and rk.loss_type == model.loss_type
-    assert rk.state_dict().keys() == model.state_dict().keys()
+    assert rk.state_dict().keys() == model.state_dict().keys() and rk._get_name() == "GPT2LMHeadModel"
+    assert repr(rk).startswith("Rockmate[GPT2LMHeadModel](\n  (model): GPT2LMHeadModel(")
     with pytest.raises(AttributeError, match="no_such_attribute"):
         _ = rk.no_such_attribute
     assert type(copy.deepcopy(rk)) is type(rk)
 
 
-def test_trainer_trains_a_lora_model_in_a_rockmate(tmp_path: object) -> None:
+@pytest.mark.parametrize("setup", ["fp32", "label smoothing"])
+def test_trainer_trains_a_lora_model_in_a_rockmate(setup: str, tmp_path: object) -> None:
     """LoRA as PEFT applies it (a Llama whose query and value projections take adapters, the
-    base frozen): the Rockmate wraps the PEFT model and trains as it does, within the budget."""
+    base frozen): the Rockmate wraps the PEFT model and trains as it does, within the budget.
+    Label smoothing: the trainer shifts the labels by the name of the model PEFT adapts."""
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -120,8 +130,8 @@ def test_trainer_trains_a_lora_model_in_a_rockmate(tmp_path: object) -> None:
     eager = copy.deepcopy(model)
     rk = Rockmate(model, budget=0.6, profile="estimate", plan_cache=False)
     assert type(rk).__name__ == "Rockmate[PeftModelForCausalLM]"
-    eager_losses, eager_eval, eager_peaks, _ = _train(eager, str(tmp_path / "eager"), bf16=False)
-    losses, evaluated, peaks, _ = _train(rk, str(tmp_path / "planned"), bf16=False)
+    eager_losses, eager_eval, eager_peaks, _ = _train(eager, str(tmp_path / "eager"), **SETUPS[setup])
+    losses, evaluated, peaks, _ = _train(rk, str(tmp_path / "planned"), **SETUPS[setup])
     torch.testing.assert_close(losses, eager_losses, rtol=1e-6, atol=0)
     torch.testing.assert_close(evaluated, eager_eval, rtol=1e-6, atol=0)
     for (name, p), q in zip(eager.named_parameters(), model.parameters()):
@@ -129,4 +139,6 @@ def test_trainer_trains_a_lora_model_in_a_rockmate(tmp_path: object) -> None:
         torch.testing.assert_close(q, p)
     plan = rk.plan
     assert plan.schedule.predicted_peak <= plan.budget < plan.reference.predicted_peak
-    assert max(peaks) <= plan.budget < min(eager_peaks)
+    assert max(peaks) < min(eager_peaks)
+    if setup == "fp32":
+        assert max(peaks) <= plan.budget
