@@ -200,12 +200,14 @@ class Rockmate(nn.Module):
         # The name code dispatching on a model's kind reads (Hugging Face's Trainer shifts a
         # label-smoothed loss's labels by it, looking through PEFT's wrapper to the base model):
         # the model's, else such a loss would be computed otherwise than for the model.
-        model = self._modules["model"]
+        model = self._modules.get("model")
+        if model is None:  # (not built yet)
+            return type(self).__name__
         base = getattr(model, "get_base_model", None)  # PEFT's wrapper: the model it adapts
         return (base() if callable(base) else model)._get_name()
 
     def __repr__(self) -> str:  # (nn.Module's would head it with `_get_name`, the model's name)
-        first, *rest = repr(self._modules["model"]).split("\n")
+        first, *rest = repr(self._modules.get("model")).split("\n")
         return "\n".join([f"{type(self).__name__}(", f"  (model): {first}", *(f"  {line}" for line in rest), ")"])
 
     def __reduce_ex__(self, protocol: int) -> tuple:
