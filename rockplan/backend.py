@@ -122,6 +122,7 @@ from solvers import (
     solve_checkpoint_blocks,
     solve_sqrt_segments,
     solve_store_all,
+    solver_options,
 )
 from solvers.bounds import min_memory_schedule
 
@@ -176,6 +177,18 @@ def backend(budget: int | float | str, *, parameters: Iterable[nn.Parameter] | N
         plan_cache=None if directory is None else PlanCache(directory))
 
 
+def _floors_not_proven(options: PlanOptions) -> PlanOptions:
+    """`options` whose solver, where it can, does not prove its floor in full after its search.
+    A step's graphs are each planned at several budgets (their first plans, the joint split's
+    candidates and rooms), and the plans compared by time and peak alone: that proof (a MILP
+    over the graph's intervals, seconds per plan where the search ends above its floor, most of
+    a speech model's first step) would explain a gap nobody reads. The schedules are the same;
+    a graph plan's floor is the one its search started from."""
+    if "prove_floor" not in solver_options(options.solver) or "prove_floor" in options.solver_options:
+        return options
+    return replace(options, solver_options={**options.solver_options, "prove_floor": False})
+
+
 class Backend:
     """The callable torch.compile calls with each graph. `graphs` lists each graph's current
     plan, `superseded` the plans a joint split replaced, `sequences` the orders of graphs that
@@ -186,7 +199,7 @@ class Backend:
         self.budget: int | None = budget_bytes(budget)  # None until a ratio is resolved, after the first step
         self.ratio: float | None = None if self.budget is not None else float(budget)
         self.store_all_peak: int | None = None  # the step's, by `step_peaks`, once a joint split ran
-        self.options = options
+        self.options = _floors_not_proven(options)
         # `rockplan.planner.plan`, or the same reading plans kept between runs
         self._plan: Callable[..., Plan] = plan if plan_cache is None else plan_cache.plan
         self.graphs: list[GraphPlan] = []

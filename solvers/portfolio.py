@@ -211,7 +211,7 @@ def _fastest(schedules: Sequence[Schedule]) -> Schedule:
 def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slots: int = 500,
                    block_time_limit: float = 1.0, gap: float = 0.01,
                    floor: tuple[float, str] | None = None, known: Sequence[Schedule] = (),
-                   polish_time: float = 0.0) -> Schedule:
+                   polish_time: float = 0.0, prove_floor: bool = True) -> Schedule:
     """Fastest schedule found within `budget` bytes, in about `time_limit` seconds (more only
     when nothing fits yet); `block_time_limit` bounds the MILP solves of one distinct block.
     The search stops as soon as a schedule is within `gap` (relative) of the proven floor on
@@ -219,7 +219,9 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
     caller has it (computed here otherwise). A search that ends above `floor` by more than the
     gap proves the floor again in full, with `time_lower_bound`'s MILPs, which a caller's floor
     may lack (paid only where the plan leaves a gap to explain), within the time left: the
-    limit holds every floor proven here, as it holds the searches.
+    limit holds every floor proven here, as it holds the searches. `prove_floor` False skips
+    that proof: the schedule is the same, its floor the one the search started from (still a
+    floor, looser), for callers that compare plans by time and peak alone.
     `known`: schedules of `graph` to start from, whatever their peak (a replan's held plan,
     `rockplan.planner`): those that fit are candidates at once; those over the budget are
     repaired by peak shaving first (a little over, in a few builds: within the gap, that ends
@@ -357,7 +359,7 @@ def solve_rockmate(graph: RematGraph, budget: int, time_limit: float = 60.0, slo
         raise InfeasibleBudget(f"no schedule found within {budget} bytes ({format_bytes(budget)}); "
                                f"{bounds.describe()}")
     best = _fastest(candidates)
-    if not floor_proven and best.predicted_time > floor * (1 + gap):
+    if prove_floor and not floor_proven and best.predicted_time > floor * (1 + gap):
         prove_floor_in_full()
     extra["schedule_from"] = best.solver
     extra["floor_reason"] = floor_reason

@@ -1019,6 +1019,11 @@ def test_a_plan_above_the_callers_floor_has_it_proven_again_with_intervals(monke
     above = portfolio.solve_rockmate(graph, budget, time_limit=10, floor=low)
     assert len(proven) == 1 and proven[0].get("intervals", True)
     assert above.lower_bound == pytest.approx(min(time_lower_bound(graph, budget)[0], above.predicted_time))
+    # Not asked to prove it (a graph break's plans, compared by time and peak): the same
+    # schedule, its floor the one it was given.
+    unproven = portfolio.solve_rockmate(graph, budget, time_limit=10, floor=low, prove_floor=False)
+    assert len(proven) == 1 and unproven.lower_bound == pytest.approx(low[0])
+    assert unproven.predicted_time <= above.predicted_time * 1.01  # (the search's wall-clock limits aside, the same)
 
 
 def test_the_chain_is_solved_only_where_the_heuristics_found_no_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
