@@ -355,18 +355,24 @@ class Backend:
                        pending: int) -> tuple[Plan, int, int]:
         """The first plan of graph `index`, what it holds into its backward, and the bytes of
         parameter gradients reserved beside it: every trainable parameter's of the step, or,
-        where that leaves too little, only those of the parameters the graph does not take.
-        Its planner counts its own parameters' gradients, so the first counts them twice (a
-        later graph may use them too, and make their gradients before this graph's backward
-        runs); the second counts them once, as `Rockmate` does. Dynamo compiles a frame again
-        where a guard fails, after the first step (a graph unchanged runs as the one it had,
-        but a frame whose code took another path once an attribute was set is a new graph on
-        the same parameters): once the budget is known, such a graph's own gradients counted
-        twice can leave no room at all."""
+        where that leaves too little, only those of the parameters the graph does not take,
+        or, where that still does, only those of the parameters no graph run so far in the step
+        takes. Its planner counts its own parameters' gradients, so the first counts them twice
+        (a later graph may use them too, and make their gradients before this graph's backward
+        runs); the second counts them once, as `Rockmate` does; the third leaves out the
+        gradients of the graphs run before it, made after its backward (unless a later graph
+        takes their parameters too: the joint split at the step's end knows). Dynamo compiles
+        a frame again where a guard fails, after the first step (a graph unchanged runs as the
+        one it had, but a frame whose code took another path once an attribute was set, or that
+        sees a new input shape, is a new graph on the same parameters): once the budget is
+        known, reserving gradients that cannot be alive beside it can leave no room at all (a
+        smaller input than the first step's was refused at a budget of 1.0)."""
         reserved = sum(self._gradients.values())
         others = reserved - sum(self._gradients[i] for i in self._parameters[index])
+        ran = self._parameters[index].union(*(self._parameters[g] for g in self._running))
+        unseen = sum(size for i, size in self._gradients.items() if i not in ran)
         failure: InfeasibleBudget | None = None
-        for reserve in dict.fromkeys((reserved, others)):
+        for reserve in dict.fromkeys((reserved, others, unseen)):
             budget = self.budget - pending - reserve
             if budget <= 0:
                 failure = failure or InfeasibleBudget(

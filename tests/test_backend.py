@@ -498,6 +498,47 @@ def test_a_graph_compiled_again_once_the_budget_is_known_fits_beside_the_others_
     assert last.peak <= backend.budget
 
 
+class _TanhStacks(nn.Module):
+    """Two stacks of tanh layers around a branch: every activation is read by a backward
+    (a tanh's by its own, a linear's input by its), so each graph holds about all it makes."""
+
+    def __init__(self, width: int = 256) -> None:
+        super().__init__()
+        self.first = nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
+                                   nn.Linear(width, width), nn.Tanh())
+        self.second = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
+                                    nn.Linear(width, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        if h.sum() > 0:
+            h = h * 2
+        return self.second(h).square().sum()
+
+
+def test_a_smaller_input_after_the_first_step_fits_the_budget_the_first_resolved() -> None:
+    """A new input shape compiles new graphs once the budget is known, each planned before the
+    step's next graphs are known. Graph 2, the first half at the new shape, holds what the
+    first half held (as much as the budget allows); graph 3, the second half, then had only what
+    is left less every parameter's gradient, and the step was refused though the input is
+    smaller: the first half's gradients are made after the second half's backward. Now those
+    are not reserved beside it where that is what leaves room."""
+    torch.manual_seed(0)
+    model = _TanhStacks()
+    eager = copy.deepcopy(model)
+    x = torch.randn(256, 16)
+    rk = Rockmate(model, x, 1.0, profile="estimate", plan_cache=False)
+    for i, rows in enumerate((256, 256, 250, 250, 250)):  # the first two at a shape plan: the last is measured
+        for module in (model, eager):
+            module.zero_grad(set_to_none=True)
+        measured = measure_step(_step, rk, x[:rows]) if i == 4 else None
+        loss = measured.result if measured else _step(rk, x[:rows])
+        torch.testing.assert_close(loss, _step(eager, x[:rows]), rtol=1e-5, atol=1e-6)
+        _assert_same_step(model, eager)
+    backend = rk._graph_breaks.backend
+    assert len(backend.graphs) == 4 and measured.peak <= backend.budget
+
+
 def test_the_same_graph_compiled_again_runs_the_plan_it_has() -> None:
     """Dynamo compiles the same graph again in the second step (a guard on the attribute the
     first set): it runs as graph 0, on graph 0's plan, and nothing is planned again."""
