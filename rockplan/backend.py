@@ -923,6 +923,7 @@ class GraphBreaks:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from torch._dynamo.exc import BackendCompilerFailed
 
+        ran_before = len(self.backend._running)
         try:
             # Dynamo traces NumPy code into torch ops, and by default draws NumPy's random numbers
             # from torch's generator: a step then draws other values than eager does (wav2vec 2.0's
@@ -938,13 +939,24 @@ class GraphBreaks:
             raise
         except CaptureError as e:
             raise self._with_why(e) from None
-        if not self.graphs and torch.is_grad_enabled() and any(p.requires_grad for p in self.model.parameters()):
+        training = torch.is_grad_enabled() and any(p.requires_grad for p in self.model.parameters())
+        if not self.graphs and training:
             # Dynamo compiles no frame of PyTorch's own modules alone: a loop over them that it
             # skips leaves the whole step eager, unplanned and over the budget, with no error.
             raise self._with_why(CaptureError(
                 f"Dynamo captured no graph of {type(self.model).__name__}'s training step: it ran all of it in "
                 "Python, so nothing was planned and the budget would not be kept. It ran a whole function "
                 "eagerly: " + _LOOP_BREAK))
+        if training and len(self.backend._running) == ran_before:
+            # Dynamo compiles a frame again for each new input shape, and past its recompile limit
+            # runs the frame in Python from then on, saying so only in a log line.
+            raise CaptureError(
+                f"Dynamo ran this training step of {type(self.model).__name__} without any of its graphs: it ran "
+                "all of it in Python, so nothing was planned and the budget was not kept. It captured graphs in "
+                f"earlier steps; most often it has hit torch._dynamo.config.recompile_limit "
+                f"({torch._dynamo.config.recompile_limit}) compiling the model again for new input shapes (each new "
+                "shape is new graphs, planned again). Pad inputs to fewer shapes (a collator's pad_to_multiple_of, "
+                "or a fixed length), or raise the limit.")
         return out
 
     def _with_why(self, error: CaptureError) -> CaptureError:

@@ -539,6 +539,19 @@ def test_a_smaller_input_after_the_first_step_fits_the_budget_the_first_resolved
     assert len(backend.graphs) == 4 and measured.peak <= backend.budget
 
 
+def test_a_step_dynamo_runs_without_graphs_past_its_recompile_limit_is_refused() -> None:
+    """Each new input shape compiles the frames again; past Dynamo's recompile limit it runs
+    them in Python, unplanned, saying so in a log line only: that step is an error."""
+    torch.manual_seed(0)
+    rk = Rockmate(_TanhStacks(width=32), budget=1.0, profile="estimate", plan_cache=False)
+    x = torch.randn(64, 16)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for rows in (64, 60):
+            _step(rk, x[:rows])
+        with pytest.raises(CaptureError, match=r"without any of its graphs.*recompile_limit \(2\).*Pad inputs"):
+            _step(rk, x[:56])
+
+
 def test_the_same_graph_compiled_again_runs_the_plan_it_has() -> None:
     """Dynamo compiles the same graph again in the second step (a guard on the attribute the
     first set): it runs as graph 0, on graph 0's plan, and nothing is planned again."""
