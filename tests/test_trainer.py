@@ -4,7 +4,7 @@ A trainer reads the model as well as calling it: the dataset columns its `forwar
 labels, its loss type (the tokens a causal LM's loss averages over), its config. The Rockmate,
 given no sample, plans at the trainer's first batch (which carries `num_items_in_batch`); the
 losses, the evaluation loss and the trained weights are eager's, and each training step's
-measured peak is within the budget.
+measured peak is within the budget where the loss is computed inside the model.
 """
 
 from __future__ import annotations
