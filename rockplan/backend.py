@@ -210,6 +210,7 @@ class Backend:
         self._parameters: dict[int, frozenset[int]] = {}  # graph index -> ids of the parameters it takes
         self._pending: list[tuple[int, int]] = []  # (graph, bytes it holds) per run whose backward is pending
         self._running: list[int] = []  # the graphs the step under way has run, in order
+        self.runs = 0  # graph forwards run, ever: a training step that runs none ran unplanned
         self._options: dict[int, list[tuple[GraphOption, Plan]]] = {}  # the joint split's candidates per graph
         self._compiled: dict[int, tuple[Plan, Callable]] = {}  # graph -> its plan and AOTAutograd's callable of it
         self._joints: dict[int, JointGraph] = {}  # graph -> autograd's joint graph of it, rewritten
@@ -279,6 +280,7 @@ class Backend:
             out = self._compiled[index][1](*args)
             self._pending.append((index, mine.held + mine.output_gradients))
             self._running.append(index)
+            self.runs += 1
             return out
 
         self._forwards[index] = forward
@@ -923,7 +925,7 @@ class GraphBreaks:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from torch._dynamo.exc import BackendCompilerFailed
 
-        ran_before = len(self.backend._running)
+        runs = self.backend.runs
         try:
             # Dynamo traces NumPy code into torch ops, and by default draws NumPy's random numbers
             # from torch's generator: a step then draws other values than eager does (wav2vec 2.0's
@@ -947,7 +949,7 @@ class GraphBreaks:
                 f"Dynamo captured no graph of {type(self.model).__name__}'s training step: it ran all of it in "
                 "Python, so nothing was planned and the budget would not be kept. It ran a whole function "
                 "eagerly: " + _LOOP_BREAK))
-        if training and len(self.backend._running) == ran_before:
+        if training and self.backend.runs == runs:
             # Dynamo compiles a frame again for each new input shape, and past its recompile limit
             # runs the frame in Python from then on, saying so only in a log line.
             raise CaptureError(
