@@ -206,13 +206,8 @@ class Rockmate(nn.Module):
         base = getattr(model, "get_base_model", None)  # PEFT's wrapper: the model it adapts
         return (base() if callable(base) else model)._get_name()
 
-    def __repr__(self) -> str:  # (nn.Module's would head it with `_get_name`, the model's name)
-        first, *rest = repr(self._modules.get("model")).split("\n")
-        return "\n".join([f"{type(self).__name__}(", f"  (model): {first}", *(f"  {line}" for line in rest), ")"])
-
-    def __reduce_ex__(self, protocol: int) -> tuple:
-        # The class made for the model's class is not importable by name: pickled as that class.
-        return _unpickled, (getattr(type(self), "model_class", None),), self.__getstate__()
+    def __repr__(self) -> str:  # nn.Module's, headed by the class's name, not `_get_name`'s (the model's)
+        return type(self).__name__ + super().__repr__().removeprefix(self._get_name())
 
     def __init__(
         self,
@@ -562,15 +557,19 @@ def _wrapper_class(model_class: type[nn.Module]) -> type[Rockmate]:
 
     with contextlib.suppress(TypeError, ValueError):  # a forward without a signature keeps Rockmate's
         forward.__signature__ = inspect.signature(model_class.forward)
+    def __reduce_ex__(self: Rockmate, protocol: int) -> tuple:
+        # This class is not importable by name: pickled as the model's class, made again from it.
+        return _unpickled, (model_class,), self.__getstate__()
+
     name = f"Rockmate[{model_class.__name__}]"
     forward.__qualname__ = f"{name}.forward"
-    return type(name, (Rockmate,), {"forward": forward, "model_class": model_class, "__module__": __name__,
+    return type(name, (Rockmate,), {"forward": forward, "__reduce_ex__": __reduce_ex__, "__module__": __name__,
                                     "__qualname__": name, "__doc__": Rockmate.__doc__})
 
 
-def _unpickled(model_class: type[nn.Module] | None) -> Rockmate:
+def _unpickled(model_class: type[nn.Module]) -> Rockmate:
     """An empty Rockmate of the class made for `model_class`, for pickle to fill with its state."""
-    return nn.Module.__new__(Rockmate if model_class is None else _wrapper_class(model_class))
+    return nn.Module.__new__(_wrapper_class(model_class))
 
 
 def _describe_difference(planned: tuple, got: tuple) -> str:

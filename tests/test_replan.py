@@ -99,6 +99,17 @@ def test_a_number_given_as_the_sample_is_refused_saying_to_name_the_budget() -> 
         Rockmate(model, 0.5)
 
 
+def test_a_subclass_of_rockmate_is_copied_as_itself() -> None:
+    """Only the class made per model class (`Rockmate[MLP]`) pickles through the model's class."""
+
+    class Logged(Rockmate):
+        pass
+
+    model, _, _, _ = zoo.make("mlp", "tiny")
+    assert type(copy.deepcopy(Logged(model, budget=1.0))) is Logged
+    assert type(copy.deepcopy(Rockmate(model, budget=1.0))).__name__ == f"Rockmate[{type(model).__name__}]"
+
+
 @pytest.mark.parametrize("how", ["torch.save", "deepcopy"])
 def test_a_rockmate_pickles_and_plans_again_at_its_first_step(how: str) -> None:
     torch.manual_seed(0)
