@@ -942,14 +942,14 @@ class GraphBreaks:
         except CaptureError as e:
             raise self._with_why(e) from None
         training = torch.is_grad_enabled() and any(p.requires_grad for p in self.model.parameters())
-        if not self.graphs and training:
-            # Dynamo compiles no frame of PyTorch's own modules alone: a loop over them that it
-            # skips leaves the whole step eager, unplanned and over the budget, with no error.
-            raise self._with_why(CaptureError(
-                f"Dynamo captured no graph of {type(self.model).__name__}'s training step: it ran all of it in "
-                "Python, so nothing was planned and the budget would not be kept. It ran a whole function "
-                "eagerly: " + _LOOP_BREAK))
-        if training and self.backend.runs == runs:
+        if training and self.backend.runs == runs:  # no graph ran: the step ran in Python, unplanned
+            if not self.graphs:
+                # Dynamo compiles no frame of PyTorch's own modules alone: a loop over them that it
+                # skips leaves the whole step eager, unplanned and over the budget, with no error.
+                raise self._with_why(CaptureError(
+                    f"Dynamo captured no graph of {type(self.model).__name__}'s training step: it ran all of it in "
+                    "Python, so nothing was planned and the budget would not be kept. It ran a whole function "
+                    "eagerly: " + _LOOP_BREAK))
             # Dynamo compiles a frame again for each new input shape, and past its recompile limit
             # runs the frame in Python from then on, saying so only in a log line.
             raise CaptureError(
